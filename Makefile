@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+#
+#   make test    .venv with vllm==0.33.0 and its pins (reused while its marker
+#                matches), the stock wheel in build/cache, then pytest
+#   make wheel   dist/vllm-0.33.0+glm5next.kpool<N>-cp38-abi3-manylinux_2_28_x86_64.whl
+#   make lint    ruff check + ruff format --check
+#   make clean   remove build/ and dist/ (make distclean: .venv too)
+#
+# Variables: PYTHON (default python3), PYTEST_ARGS (e.g. -m 'not slow'),
+# WHEEL_ARGS (e.g. --wheel /path/to/vllm-0.33.0-...whl).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+VENV_MARKER := $(VENV)/.kpool-pins
+PIP_PIN := pip==26.3
+PINS := vllm==0.33.0 pytest==9.1.1 ruff==0.17.6 wheel==0.48.0
+WHEEL_VENV := build/venv-wheel
+WHEEL_PIN := wheel==0.48.0
+PYTEST_ARGS ?=
+WHEEL_ARGS ?=
+
+.PHONY: help test venv fetch wheel lint clean distclean
+.DEFAULT_GOAL := help
+
+help:
+	@sed -n '4,12p' Makefile | sed 's/^# \{0,1\}//'
+
+venv:
+	@want="$(PIP_PIN) $(PINS) python=$$($(PYTHON) -c 'import sys; print(sys.version.split()[0])')"; \
+	if [ -x $(VPY) ] && [ "$$(cat $(VENV_MARKER) 2>/dev/null)" = "$$want" ]; then \
+	  echo "== venv: reusing $(VENV) ($$want)"; \
+	else \
+	  start=$$SECONDS; rm -rf $(VENV); \
+	  echo "== venv: creating $(VENV): $(PINS) (~9 GB, a few minutes)"; \
+	  $(PYTHON) -m venv $(VENV); \
+	  $(VPY) -m pip install -q $(PIP_PIN); \
+	  $(VPY) -m pip install $(PINS); \
+	  echo "$$want" > $(VENV_MARKER); \
+	  echo "== venv: created in $$((SECONDS - start)) s"; \
+	fi
+
+fetch: venv
+	@start=$$SECONDS; $(VPY) tools/build_wheel.py --fetch-only; \
+	echo "== fetch stock wheel: $$((SECONDS - start)) s"
+
+test: venv fetch
+	@start=$$SECONDS; rc=0; \
+	KPOOL_REQUIRE_WHEEL=1 $(VPY) -m pytest -q tests $(PYTEST_ARGS) || rc=$$?; \
+	echo "== pytest: $$((SECONDS - start)) s, exit $$rc"; \
+	if [ $$rc -eq 5 ]; then echo "== pytest ran no tests: failing"; exit 1; fi; \
+	exit $$rc
+
+$(WHEEL_VENV)/.ok: Makefile
+	@rm -rf $(WHEEL_VENV) && $(PYTHON) -m venv $(WHEEL_VENV)
+	@$(WHEEL_VENV)/bin/python -m pip install -q $(PIP_PIN) $(WHEEL_PIN) && touch $@
+
+wheel: $(WHEEL_VENV)/.ok
+	@start=$$SECONDS; $(WHEEL_VENV)/bin/python tools/build_wheel.py $(WHEEL_ARGS); \
+	echo "== make wheel: $$((SECONDS - start)) s"
+
+lint: venv
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
+
+clean:
+	rm -rf build dist
+
+distclean: clean
+	rm -rf $(VENV)

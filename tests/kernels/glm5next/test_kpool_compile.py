@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The CPU tier of the kpool kernels: each compiles for sm_90a and sm_100a
+(fake tensors, no GPU), its PTX holds what bit exactness with stock depends
+on, and the stock Triton kernel still lowers to that same arithmetic (a
+Triton that changes its lowering must fail here, not drift silently)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+cute = pytest.importorskip("cutlass.cute")
+
+ARCHS = ["sm_90a", "sm_100a"]
+LOG2E = "0f3FB8AA3B"
+# The accurate log2f (libdevice) that both kernels evaluate, by its constants.
+LOG2F = {
+    "0f3DC6B27F", "0fBE2C7F30", "0f3E2FCF2A", "0fBE374E43", "0f3E520BF4",
+    "0fBE763C8B", "0f3E93BF99", "0fBEB8AA49", "0f3EF6384A", "0fBF38AA3B",
+}  # fmt: skip
+# 1/sqrt(128), the 1e-4 amax floor, 1/448, and +-448.
+QUANT = {"0f3DB504F3", "0f38D1B717", "0f3B124925", "0f43E00000", "0fC3E00000"}
+# (MX scales, round_scale) variants of the update kernel.
+VARIANTS = [(True, True), (False, True), (False, False)]
+# ring, page, page bytes, tail block, tail half of the update kernel's config.
+LAYOUT = (8, 64, 64 * 132, 2 * 8 * 128, 8 * 128)
+
+
+def ops(ptx: str) -> Counter:
+    """Instruction counts of ``ptx``, inline-asm blocks included."""
+    pattern = r"(?:^|[{;])\s*(?:@!?%?\w+\s+)?([a-z][\w.:]*)"  # predicated too
+    return Counter(re.findall(pattern, ptx, re.M))
+
+
+def constants(ptx: str) -> set[str]:
+    return set(re.findall(r"0f[0-9A-F]{8}", ptx))
+
+
+def _fake(dtype, align):
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(dtype, (cute.sym_int(),), (1,), assumed_align=align)
+
+
+def compile_ptx(kernel, args, arch: str) -> str:
+    with tempfile.TemporaryDirectory() as dump:
+        options = f"--keep-ptx --dump-dir {dump} --gpu-arch {arch}"
+        return cute.compile(kernel, *args, options=options).__ptx__
+
+
+def cute_kernels():
+    """(name, kernel, fake arguments) of every kernel and variant."""
+    import cuda.bindings.driver as cuda
+    import cutlass as c
+
+    from vllm.models.glm5next.nvidia.specialized_decode import kpool as k
+
+    i32, st = c.Int32(1), cuda.CUstream(0)
+    for mx, round_scale in VARIANTS:
+        args = [
+            _fake(c.Uint8, 4), _fake(c.BFloat16, 8), _fake(c.Int32, 4),
+            _fake(c.BFloat16, 8), _fake(c.BFloat16, 8), _fake(c.Float32, 16),
+            _fake(c.Int64, 4), _fake(c.Int32, 4), *[i32] * 6, st,
+        ]  # fmt: skip
+        kernel = k._UpdateKernel(k.POOL, *LAYOUT, mx, round_scale)
+        yield f"update-mx{int(mx)}-round{int(round_scale)}", kernel, args
+    ints = [_fake(c.Int32, 4), _fake(c.Int32, 4), _fake(c.Int32, 16)]
+    yield "expand", k._ExpandKernel(k.POOL, 512, k.EXPAND_THREADS, True), [
+        *ints, *[i32] * 4, st,
+    ]  # fmt: skip
+    remap = [_fake(c.Int32, 4)] * 4 + [_fake(c.Int32, 16), _fake(c.Int32, 4)]
+    yield "remap", k._RemapKernel(k.POOL, 512, 2176, 64, 64), [*remap, *[i32] * 6, st]
+    upcast = [_fake(c.BFloat16, 16), _fake(c.Float32, 16), _fake(c.Int32, 4)]
+    yield "upcast", k._UpcastKernel(k.UPCAST_THREADS, True), [*upcast, *[i32] * 3, st]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def ptx(request):
+    return {name: compile_ptx(kernel, args, request.param)
+            for name, kernel, args in cute_kernels()}  # fmt: skip
+
+
+def stock_update_ptx(arch: str, mx: bool, round_scale: bool) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm.models.glm5next.nvidia.ops import kpool_compress
+
+    fn = kpool_compress._kpool_decode_update_batched_kernel
+    ring, page, page_bytes, tail_block, tail_half = LAYOUT
+    consts = dict(
+        PAGE_SIZE=page, BUF_NUMEL_PER_PAGE=page_bytes, POOL_SIZE=4, RING=ring,
+        TAIL_BLOCK_ELEMS=tail_block, KPOOL_HEAD=tail_half, HEAD_DIM=128,
+        S_OFFSET_NBYTES_IN_PAGE=page * 128, ROUND_SCALE=round_scale or mx,
+        MX_SCALE=mx, BLOCK_D=128,
+    )  # fmt: skip
+    pointers = dict(
+        buf_fp8_ptr="*fp8e4nv", buf_fp32_ptr="*fp32", tail_kv_ptr="*bf16",
+        key_ptr="*bf16", slot_score_ptr="*bf16", ape_ptr="*fp32",
+        tail_slot_mapping_ptr="*i32", slot_mapping_ptr="*i32", positions_ptr="*i32",
+    )  # fmt: skip
+    signature = {
+        name: "constexpr" if name in consts else pointers.get(name, "i32")
+        for name in fn.arg_names
+    }
+    target = GPUTarget("cuda", int(arch[3:-1]), 32)
+    source = ASTSource(fn=fn, signature=signature, constexprs=consts)
+    return triton.compile(source, target=target).asm["ptx"]
+
+
+def check_update_arithmetic(ptx: str, mx: bool, round_scale: bool):
+    """What bit exactness of the update rests on, in either kernel's PTX."""
+    count = ops(ptx)
+    assert count["ex2.approx.f32"] >= 4, "softmax: ex2.approx (no ftz) per member"
+    assert re.search(
+        rf"mul\.f32[^;]*{LOG2E};(\s*\.loc[^\n]*)?\s*ex2\.approx\.f32", ptx
+    ), "exp: (s - max) * log2(e) rounded, then ex2.approx"
+    assert count["div.full.f32"] >= 2, "acc / denom and x / scale: div.full"
+    assert count["fma.rn.f32"] >= 4, "softmax-weighted keys: an FMA chain"
+    assert count["cvt.rn.bf16.f32"] >= 2, "BF16 roundings"
+    assert count["cvt.rn.satfinite.e4m3x2.f32"] >= 1, "FP8 E4M3 satfinite"
+    assert QUANT <= constants(ptx), QUANT - constants(ptx)
+    rounds = round_scale or mx
+    assert (LOG2F <= constants(ptx)) == rounds, "accurate libdevice log2f"
+    assert ("cvt.rpi" in ptx) == rounds, "ceil of the exponent"
+    assert count["lg2.approx.f32"] == 0 and count["lg2.approx.ftz.f32"] == 0
+
+
+@pytest.mark.parametrize("mx,round_scale", VARIANTS)
+def test_update_ptx(ptx, mx, round_scale):
+    text = ptx[f"update-mx{int(mx)}-round{int(round_scale)}"]
+    check_update_arithmetic(text, mx, round_scale)
+    count = ops(text)
+    # The four fused-multiply-adds of each dimension, in pool order.
+    assert count["fma.rn.f32"] >= 16
+    assert count["shfl.sync.bfly.b32"] >= 20, "butterflies 4..64 and the amax"
+    if mx:
+        assert "16843009" in text or "0x01010101" in text.lower(), "UE8M0 x4 bytes"
+
+
+@pytest.fixture(scope="module")
+def stock_ptx(tmp_path_factory):
+    """The stock update's PTX of every arch and variant. Compiled in a child
+    without TRITON_INTERPRET: interpreted kernels cannot be compiled."""
+    out = tmp_path_factory.mktemp("stock") / "ptx.json"
+    script = (
+        f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "from test_kpool_compile import ARCHS, VARIANTS, stock_update_ptx; "
+        f"open({str(out)!r}, 'w').write(json.dumps({{f'{{a}}-{{int(m)}}-{{int(r)}}': "
+        "stock_update_ptx(a, m, r) for a in ARCHS for m, r in VARIANTS}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mx,round_scale", VARIANTS)
+def test_stock_update_lowering(stock_ptx, arch, mx, round_scale):
+    text = stock_ptx[f"{arch}-{int(mx)}-{int(round_scale)}"]
+    check_update_arithmetic(text, mx, round_scale)
+
+
+def test_every_kernel_waits_on_its_producer(ptx):
+    for name, text in ptx.items():
+        count = ops(text)
+        assert count["griddepcontrol.wait"] == 1, name
+        assert count["griddepcontrol.launch_dependents"] == 1, name
+        assert ".local" not in text, f"{name} spills to local memory"
+
+
+@pytest.mark.parametrize("name,store", [
+    ("expand", "st.global.v4.b32"), ("remap", "st.global.v4.b32"),
+    ("upcast", "st.global.v4.b32"), ("update-mx1-round1", "st.global.v2.b32"),
+])  # fmt: skip
+def test_wide_accesses(ptx, name, store):
+    assert ops(ptx[name])[store] >= 1, f"{name}: no {store}"
+
+
+def test_upcast_loads_16_bytes(ptx):
+    assert ops(ptx["upcast"])["ld.global.nc.v4.b32"] >= 1

@@ -1,0 +1,445 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``specialized_decode/__init__.py``: its configuration, requirement checks,
+``planned()`` and the installation at model build (CPU)."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import CompilationMode, CUDAGraphMode  # noqa: E402
+from vllm.forward_context import ForwardContext, override_forward_context  # noqa: E402
+from vllm.models.glm5next.nvidia import specialized_decode as sd  # noqa: E402
+from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 import (  # noqa: E402
+    FlashInferMLASparseSM90Impl,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+INIT = REPO / "vllm/models/glm5next/nvidia/specialized_decode/__init__.py"
+ALL_REQUIREMENTS = 8
+
+
+def make_config(**overrides):
+    """A vllm_config with what the checks read, of a supported deployment
+    unless overridden (``section__field=value``)."""
+    config = SimpleNamespace(
+        additional_config={"decode_backend": "latency_specialized"},
+        model_config=SimpleNamespace(
+            architectures=["Glm5NextForCausalLM"],
+            hf_text_config=SimpleNamespace(
+                index_topk=2048, index_kpool=4, index_head_dim=128
+            ),
+        ),
+        parallel_config=SimpleNamespace(
+            decode_context_parallel_size=1, use_ubatching=False
+        ),
+        compilation_config=SimpleNamespace(
+            mode=CompilationMode.NONE,
+            cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        ),
+        kernel_config=SimpleNamespace(enable_jit_warmup=True),
+        scheduler_config=SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=8192),
+        speculative_config=SimpleNamespace(num_speculative_tokens=3),
+    )
+    for name, value in overrides.items():
+        if name == "additional_config":
+            config.additional_config = value
+            continue
+        section, field = name.split("__")
+        target = getattr(config, section)
+        if section == "model_config" and field.startswith("index_"):
+            target = target.hf_text_config
+        setattr(target, field, value)
+    return config
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """The current platform as a CUDA GPU of a chosen capability."""
+    from vllm.platforms import current_platform
+
+    def use(capability: int | None):
+        monkeypatch.setattr(current_platform, "is_cuda", lambda: capability is not None)
+        monkeypatch.setattr(
+            current_platform,
+            "is_device_capability",
+            lambda c: capability is not None and c == capability,
+        )
+        monkeypatch.setattr(
+            current_platform,
+            "is_device_capability_family",
+            lambda c: capability is not None and capability // 10 == c // 10,
+        )
+
+    use(90)
+    return use
+
+
+def test_importable_with_logger_only():
+    """The kernel-only environment provides torch and ``vllm.logger``."""
+    script = textwrap.dedent(f"""
+        import importlib.util, logging, sys, types
+        vllm = types.ModuleType("vllm")
+        vllm.__path__ = []
+        log = types.ModuleType("vllm.logger")
+        log.init_logger = logging.getLogger
+        sys.modules.update({{"vllm": vllm, "vllm.logger": log}})
+        spec = importlib.util.spec_from_file_location("sd", {str(INIT)!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert module.STAGES == ("dsa_kpool",)
+        assert not module.planned()
+        loaded = sorted(m for m in sys.modules if m.startswith("vllm"))
+        assert loaded == ["vllm", "vllm.logger"], loaded
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "extra", [None, {}, {"decode_backend": "auto"}, {"specialized_decode_skip": []}]
+)
+def test_auto_is_stock(gpu, extra):
+    gpu(None)  # nothing is checked
+    assert sd.specialized_decode_config(make_config(additional_config=extra)) is None
+
+
+def test_supported_deployment(gpu):
+    config = sd.specialized_decode_config(make_config())
+    assert config == sd.DecodeConfig(stages=("dsa_kpool",))
+    gpu(100)
+    assert sd.unsupported(make_config()) == []
+    gpu(103)
+    assert sd.unsupported(make_config()) == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"decode_backend": "fast"},
+        {"decode_backend": "latency_specialized", "specialized_decode_skip": "x"},
+        {"decode_backend": "latency_specialized", "specialized_decode_skip": ["x"]},
+    ],
+)
+def test_bad_settings(gpu, bad):
+    with pytest.raises(ValueError, match="decode_backend|specialized_decode_skip"):
+        sd.specialized_decode_config(make_config(additional_config=bad))
+
+
+def test_left_out_stage_needs_nothing(gpu):
+    gpu(None)
+    extra = {
+        "decode_backend": "latency_specialized",
+        "specialized_decode_skip": ["dsa_kpool"],
+    }
+    config = sd.specialized_decode_config(make_config(additional_config=extra))
+    assert config == sd.DecodeConfig(stages=())
+
+
+@pytest.mark.parametrize(
+    "overrides, needs",
+    [
+        ({}, None),
+        (dict(model_config__architectures=["DeepseekV32ForCausalLM"]), "GLM-5-Next"),
+        (dict(model_config__index_kpool=2), "index_kpool 2"),
+        (dict(model_config__index_head_dim=64), "index_head_dim 64"),
+        (dict(model_config__index_topk=None), "index_topk None"),
+        (dict(parallel_config__decode_context_parallel_size=2), "context par"),
+        (dict(parallel_config__use_ubatching=True), "micro-batching"),
+        (dict(compilation_config__mode=CompilationMode.VLLM_COMPILE), "compile"),
+        (dict(compilation_config__cudagraph_mode=CUDAGraphMode.FULL), "mixed"),
+        (dict(compilation_config__cudagraph_mode=CUDAGraphMode.PIECEWISE), None),
+        (dict(compilation_config__cudagraph_mode=CUDAGraphMode.NONE), None),
+        (dict(kernel_config__enable_jit_warmup=False), "JIT"),
+    ],
+)
+def test_each_requirement(gpu, overrides, needs):
+    missing = sd.unsupported(make_config(**overrides))
+    assert len(missing) == (needs is not None)
+    assert needs is None or needs in missing[0]
+
+
+@pytest.mark.parametrize("capability", [None, 80, 89, 120])
+def test_gpu_requirement(gpu, capability):
+    gpu(capability)
+    missing = sd.unsupported(make_config())
+    assert len(missing) == 1 and "SM90" in missing[0] and "SM100" in missing[0]
+
+
+def test_one_error_lists_every_requirement(gpu):
+    gpu(80)
+    config = make_config(
+        model_config__architectures=["LlamaForCausalLM"],
+        model_config__index_topk=None,
+        parallel_config__decode_context_parallel_size=2,
+        parallel_config__use_ubatching=True,
+        compilation_config__mode=CompilationMode.VLLM_COMPILE,
+        compilation_config__cudagraph_mode=CUDAGraphMode.FULL,
+        kernel_config__enable_jit_warmup=False,
+    )
+    missing = sd.unsupported(config)
+    assert len(missing) == ALL_REQUIREMENTS
+    with pytest.raises(ValueError) as error:
+        sd.specialized_decode_config(config)
+    message = str(error.value)
+    assert message.startswith("decode_backend=latency_specialized needs ")
+    assert all(need in message for need in missing)
+    assert "specialized_decode_skip=['dsa_kpool']" in message
+
+
+@pytest.mark.parametrize(
+    "seqs, spec, tokens, rows",
+    [(64, 3, 8192, 256), (64, None, 8192, 64), (64, 3, 128, 128), (8, 1, 8192, 16)],
+)
+def test_decode_capacity(seqs, spec, tokens, rows):
+    config = make_config(
+        scheduler_config__max_num_seqs=seqs,
+        scheduler_config__max_num_batched_tokens=tokens,
+    )
+    if spec is None:
+        config.speculative_config = None
+    else:
+        config.speculative_config.num_speculative_tokens = spec
+    assert sd.decode_capacity(config) == rows
+
+
+# --- planned() -------------------------------------------------------------
+
+
+def metadata(prefills=0, decode_tokens=4):
+    return SimpleNamespace(
+        num_prefills=prefills,
+        num_decodes=min(decode_tokens, 1),
+        num_decode_tokens=decode_tokens,
+    )
+
+
+def context(attn_metadata, mode=CUDAGraphMode.NONE, dummy_run=False):
+    return ForwardContext(
+        no_compile_layers={},
+        attn_metadata=attn_metadata,
+        slot_mapping={},
+        cudagraph_runtime_mode=mode,
+        dummy_run=dummy_run,
+    )
+
+
+@pytest.fixture
+def plan(monkeypatch):
+    plan = sd._Plan(max_rows=8, layer="a", warmed=True)
+    monkeypatch.setattr(sd, "_plan", plan)
+    return plan
+
+
+def planned_in(ctx) -> bool:
+    with override_forward_context(ctx):
+        return sd.planned()
+
+
+@pytest.mark.parametrize(
+    "mode", [CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL]
+)
+def test_planned_decode_steps(plan, mode):
+    """Decode-only within the rows: at eager steps, at captures and at the
+    breakable graphs' eager replays alike (mode plays no part)."""
+    shared = metadata(decode_tokens=8)
+    attn = {"a": shared, "b": shared, "tail": metadata(decode_tokens=8)}
+    assert planned_in(context(attn, mode))
+    # Metadata without a prefill/decode split does not count.
+    attn["storage"] = SimpleNamespace()
+    assert planned_in(context(attn, mode))
+
+
+@pytest.mark.parametrize(
+    "attn, dummy",
+    [
+        pytest.param(None, False, id="profiling"),
+        pytest.param([{"a": metadata()}], False, id="micro-batches"),
+        pytest.param({}, False, id="no-layers"),
+        pytest.param({"mtp": metadata()}, False, id="another-model"),
+        pytest.param({"a": metadata()}, True, id="dummy"),
+        pytest.param({"a": metadata(), "b": metadata(prefills=1)}, False, id="mixed"),
+        pytest.param({"a": metadata(prefills=2, decode_tokens=0)}, False, id="prefill"),
+        pytest.param({"a": metadata(decode_tokens=9)}, False, id="above-rows"),
+        pytest.param({"a": metadata(decode_tokens=0)}, False, id="no-decodes"),
+    ],
+)
+def test_unplanned_passes(plan, attn, dummy):
+    assert not planned_in(context(attn, dummy_run=dummy))
+
+
+def test_planned_needs_a_warm_installed_stage(monkeypatch, plan):
+    ctx = context({"a": metadata()})
+    assert planned_in(ctx)
+    assert not sd.planned()  # no forward context
+    monkeypatch.setattr(sd, "_plan", sd._Plan(max_rows=8, layer="a"))
+    assert not planned_in(ctx)
+    monkeypatch.setattr(sd, "_plan", None)
+    assert not planned_in(ctx)
+
+
+def test_planned_once_per_forward(plan):
+    """Every layer of a forward gets the first answer (host state read once);
+    the next forward's context is read anew."""
+    attn = {"a": metadata()}
+    ctx = context(attn)
+    with override_forward_context(ctx):
+        assert sd.planned()
+        attn["a"] = metadata(prefills=1)
+        assert sd.planned()
+    assert not planned_in(context(attn))
+
+
+# --- install() -------------------------------------------------------------
+
+
+class Recorder:
+    def __init__(self):
+        self.lines: list[tuple[str, str]] = []
+
+    def info(self, fmt, *args):
+        self.lines.append(("info", fmt % args))
+
+    def warning(self, fmt, *args):
+        self.lines.append(("warning", fmt % args))
+
+
+@pytest.fixture
+def installed(monkeypatch, gpu):
+    """install() with a recorded log, SPECIALIZED_KPOOL and the plan restored."""
+    pytest.importorskip("cutlass")
+    from vllm.models.glm5next.nvidia import sparse_indexer
+
+    monkeypatch.setattr(sparse_indexer, "SPECIALIZED_KPOOL", None)
+    monkeypatch.setattr(sd, "_plan", None)
+    log = Recorder()
+    monkeypatch.setattr(sd, "logger", log)
+    return SimpleNamespace(log=log, sparse_indexer=sparse_indexer)
+
+
+def attentions(count=2, **impl):
+    """``count`` DSA layers; ``impl`` overrides the last one's impl."""
+    from kpool_harness import make_attention, make_group
+
+    buffer = torch.full((16, 256), -1, dtype=torch.int32)
+    return [
+        make_attention(
+            make_group(buffer, 8, []),
+            f"model.layers.{i}.self_attn.indexer.k_cache",
+            buffer,
+            **(impl if i == count - 1 else {}),
+        )
+        for i in range(count)
+    ]
+
+
+class SM90FlashInferImpl:
+    """A backend whose decode converts the logical top-k rows itself."""
+
+    forward_mqa = FlashInferMLASparseSM90Impl.forward_mqa
+
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+
+def test_install_auto_is_stock(installed):
+    assert sd.install(make_config(additional_config={}), attentions()) is None
+    assert installed.sparse_indexer.SPECIALIZED_KPOOL is None
+    assert sd._plan is None and installed.log.lines == []
+
+
+def test_install_left_out(installed):
+    extra = {
+        "decode_backend": "latency_specialized",
+        "specialized_decode_skip": ["dsa_kpool"],
+    }
+    assert sd.install(make_config(additional_config=extra), attentions()) is None
+    assert installed.sparse_indexer.SPECIALIZED_KPOOL is None
+    assert installed.log.lines == [
+        ("info", "GLM-5-Next specialized decode: dsa_kpool off (left out).")
+    ]
+
+
+def test_install_unsupported_raises(installed, gpu):
+    gpu(None)
+    with pytest.raises(ValueError, match="SM90"):
+        sd.install(make_config(), attentions())
+    assert installed.sparse_indexer.SPECIALIZED_KPOOL is None
+
+
+def test_install_without_warmup_registry(installed):
+    """Outside a model runner nothing compiles the kernels: the stage is set
+    but never plans a step, and the log says so."""
+    stage = sd.install(make_config(), attentions())
+    assert installed.sparse_indexer.SPECIALIZED_KPOOL is stage
+    assert stage.fuse and stage.max_rows == 256
+    assert sd._plan == sd._Plan(
+        max_rows=256, layer="model.layers.0.self_attn.indexer.k_cache"
+    )
+    [(level, line)] = installed.log.lines
+    assert level == "warning"
+    assert line == (
+        "GLM-5-Next specialized decode: dsa_kpool off: no JIT warmup registry "
+        "compiles its kernels, for decode-only steps of up to 256 rows; DSA "
+        "layers: model.layers.0.self_attn: fused; model.layers.1.self_attn: fused."
+    )
+
+
+@pytest.mark.parametrize(
+    "impl, why",
+    [
+        (dict(group_conversion_decode_only=True), "does not convert prefill rows"),
+        (dict(dcp_world_size=2), "decode context parallel"),
+        (
+            dict(impl_class=SM90FlashInferImpl),
+            "SM90FlashInferImpl reads the logical top-k rows",
+        ),
+    ],
+)
+def test_install_logs_why_not_fused(installed, impl, why):
+    """Fusing is all or none; the stage's other kernels stay on."""
+    stage = sd.install(make_config(), attentions(**impl))
+    assert not stage.fuse and not stage.layers
+    assert installed.sparse_indexer.SPECIALIZED_KPOOL is stage
+    [(_, line)] = installed.log.lines
+    assert line.endswith(
+        "DSA layers: model.layers.0.self_attn: not fused (another is not); "
+        f"model.layers.1.self_attn: not fused ({why})."
+    )
+
+
+def test_install_warms_up_before_planning(monkeypatch, installed):
+    """With the runner's JIT warmup registry active at model build, the stage
+    compiles at the registry's warmup (after the KV caches are bound), then
+    freezes compilation and starts planning steps."""
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+    from vllm.models.glm5next.nvidia.specialized_decode import kpool
+
+    calls = []
+    monkeypatch.setattr(
+        kpool.KpoolStage,
+        "warmup",
+        lambda self, *args, **kwargs: calls.append((self, args, kwargs)),
+        raising=False,
+    )
+    monkeypatch.setattr(kpool, "freeze", lambda frozen=True: calls.append(frozen))
+    config = make_config()
+    layers = attentions()
+    registry = JitWarmupRegistry(config)
+    with registry.activate():
+        stage = sd.install(config, layers)
+    assert installed.log.lines[0][0] == "info"
+    assert "dsa_kpool on, compiled at JIT warmup" in installed.log.lines[0][1]
+    assert len(registry) == 1 and not calls and not sd._plan.warmed
+    registry.warmup()
+    assert calls == [
+        (stage, (layers,), dict(max_rows=256, positions_dtype=torch.int64)),
+        True,
+    ]
+    assert sd._plan.warmed

@@ -1,0 +1,381 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The kernel-only GPU environment (``tools/kernel_env``) gives the same stock
+functions as the real import of the patched vLLM tree.
+
+The real side runs here (the root conftest puts the patched overlay first on
+``sys.path``); the shim side runs in a subprocess (this file as a script) that
+installs the shim before anything imports ``vllm``, from sources staged out of
+the very files the real import loaded. Both run the stock Triton kernels under
+``TRITON_INTERPRET=1`` on the same inputs; sources and results must be equal,
+byte for byte.
+"""
+
+import importlib
+import inspect
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_TRITON = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+KPOOL = "vllm.models.glm5next.nvidia.ops.kpool_compress"
+INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
+SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
+INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
+SPECIALIZED = "vllm.models.glm5next.nvidia.specialized_decode"
+# kpool update sizes: requests x tokens, head dim, pool, ring, page.
+R, N, D, POOL, RING, PAGE = 3, 2, 128, 4, 8, 4
+
+
+def _shim():
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tools.kernel_env import shim, stage
+
+    return shim, stage
+
+
+def _resolve(qualname: str, stock_modules) -> object:
+    """The real object of a shim ``LIFTED`` name: ``module.name[.member]``."""
+    module = next(m for m in stock_modules if qualname.startswith(m + "."))
+    obj = importlib.import_module(module)
+    for attr in qualname[len(module) + 1 :].split("."):
+        obj = getattr(obj, attr)
+    return obj
+
+
+def describe(obj) -> str:
+    """Source of a function, class or Triton kernel (its ``fn``); else repr."""
+    obj = getattr(obj, "fn", obj)
+    if inspect.isfunction(obj) or inspect.isclass(obj) or hasattr(obj, "__wrapped__"):
+        return inspect.getsource(obj)
+    return repr(obj)
+
+
+def make_inputs(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+
+    def ints(low, high, shape):
+        return torch.randint(low, high, shape, generator=g, dtype=torch.int32)
+
+    # kpool update, a tail block per request: request 0 completes a pool on
+    # its second token, request 1 on its first (then stashes the next pool's
+    # first token), request 2 starts anywhere and pads its second token.
+    starts = [2, 4 * rng.randrange(10) + 3, rng.randrange(40)]
+    pos = (torch.tensor(starts).view(R, 1) + torch.arange(N)).to(torch.int32)
+    blocks = torch.tensor(rng.sample(range(4), R)).view(R, 1)
+    tail_slots = (blocks * RING + pos % RING).to(torch.int32)
+    slots = torch.tensor(rng.sample(range(6 * PAGE), R * N)).view(R, N)
+    slots = slots.to(torch.int32)
+    pos[2, 1] = tail_slots[2, 1] = slots[2, 1] = -1
+    kpool = dict(
+        kv_cache=ints(0, 256, (6, PAGE, D + 4)).to(torch.uint8),
+        tail_kv_cache=torch.randn(4, 2, RING, D, generator=g).to(torch.bfloat16),
+        tail_slot_mapping=tail_slots,
+        key=(torch.randn(R, N, D, generator=g) * 3).to(torch.bfloat16),
+        slot_score=torch.randn(R, N, D, generator=g).to(torch.bfloat16),
+        ape=torch.randn(POOL, D, generator=g),
+        slot_mapping=slots,
+        positions=pos,
+    )
+    pool_ids = ints(-1, 200, (5, 40))
+    pool_ids[pool_ids % 7 == 0] = -1
+    width = 2176
+    tokens = ints(-1, 40 * 64 + 300, (4, 5120))
+    tokens[tokens % 5 == 0] = -1
+    return dict(
+        kpool=kpool,
+        pool_ids=pool_ids,
+        seq_lens=ints(0, 800, (5,)),
+        logits=torch.randn(3, 1024, generator=g).to(torch.bfloat16)[:, :1000],
+        row_ends=torch.tensor([0, 997, 1000], dtype=torch.int32),
+        req_id=ints(0, 3, (4,)),
+        block_table=ints(0, 100, (3, 40)),
+        tokens=tokens[:, :width].contiguous(),
+        tokens_wide=tokens,
+    )
+
+
+class FakeStream:
+    """CPU stand-in for a torch stream or event: logs the calls it gets."""
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def _log(self, *call) -> None:
+        self.log.append((self.name, *(getattr(a, "name", a) for a in call)))
+
+    def record(self, stream=None) -> None:
+        self._log("record", stream)
+
+    def wait_event(self, event) -> None:
+        self._log("wait_event", event)
+
+    def wait_stream(self, stream) -> None:
+        self._log("wait_stream", stream)
+
+    def __enter__(self):
+        self.log.append((self.name, "enter"))
+
+    def __exit__(self, *exc):
+        self.log.append((self.name, "exit"))
+
+
+def run_cases(inputs: dict, set_mx) -> dict:
+    """Run the stock functions reachable as ``vllm.*`` on ``inputs`` (cloned);
+    ``set_mx(flag)`` forces ``mqa_logits_use_mx_scales()`` of kpool_compress."""
+    kp = importlib.import_module(KPOOL)
+    indexer = importlib.import_module(INDEXER)
+    su = importlib.import_module(SPARSE_UTILS)
+    ig = importlib.import_module(INDEX_GROUP)
+    out = {}
+    for mx in (True, False):
+        args = {k: v.clone() for k, v in inputs["kpool"].items()}
+        set_mx(mx)
+        kp.kpool_decode_update_and_maybe_write_cache_batched(**args, pool_size=POOL)
+        out[f"kpool_update_mx={mx}"] = (args["kv_cache"], args["tail_kv_cache"])
+    set_mx(None)
+
+    pool_ids, seq_lens = inputs["pool_ids"], inputs["seq_lens"]
+    out["expand"] = kp.expand_pools_and_append_tail(pool_ids, seq_lens, POOL)
+    buf = torch.full((7, 200), -7, dtype=torch.int32)
+    res = kp.expand_pools_and_append_tail(
+        pool_ids, seq_lens - 1, POOL, seq_offset=1, out=buf[1:6, :170]
+    )
+    out["expand_offset_out"] = (buf, res.data_ptr() - buf.data_ptr())
+
+    logits, row_ends = inputs["logits"], inputs["row_ends"]
+    fp32 = indexer.as_fp32_logits(logits, row_ends)
+    mask = torch.arange(logits.shape[1]) < row_ends[:, None]
+    out["as_fp32_logits"] = (torch.where(mask, fp32, 0.0), fp32.stride())
+
+    req_id, block_table = inputs["req_id"], inputs["block_table"]
+    for name, tokens, counts in (
+        ("single_tile", inputs["tokens"], True),
+        ("multi_tile", inputs["tokens_wide"], True),
+        ("no_counts", inputs["tokens"], False),
+    ):
+        out[f"remap_{name}"] = su.triton_convert_req_index_to_global_index(
+            req_id,
+            block_table,
+            tokens,
+            BLOCK_SIZE=64,
+            BLOCK_STRIDE_ROWS=96,
+            NUM_TOPK_TOKENS=tokens.shape[1],
+            return_valid_counts=counts,
+        )
+
+    log: list = []
+    tokens = inputs["tokens"]
+    group = ig.SparseMLAIndexGroup(
+        logical_topk_indices=tokens,
+        physical_topk_indices=torch.full((5, tokens.shape[1]), -7, dtype=torch.int32),
+        valid_topk_counts=torch.full((5,), -7, dtype=torch.int32),
+        side_stream=FakeStream(log, "side"),
+        logical_topk_ready=FakeStream(log, "logical_ready"),
+        physical_topk_ready=FakeStream(log, "physical_ready"),
+        has_indexer=True,
+    )
+    current_stream = ig.current_stream
+    ig.current_stream = lambda: FakeStream(log, "compute")
+    try:
+        group.set_logical_topk_ready(0)
+        # Layer 0 converts, layer 1 reuses it, more rows than the buffers fall
+        # back to a fresh conversion.
+        calls = [
+            group._convert_once(
+                layer,
+                tokens.repeat(rep, 1),
+                req_id.repeat(rep),
+                block_table,
+                64,
+                block_stride_rows=96,
+                return_valid_counts=True,
+            )
+            for layer, rep in ((0, 1), (1, 1), (0, 2))
+        ]
+    finally:
+        ig.current_stream = current_stream
+    out["convert_once"] = (
+        group.physical_topk_indices,
+        group.valid_topk_counts,
+        calls,
+        log,
+    )
+    return out
+
+
+def assert_same(real, shim, where: str) -> None:
+    """Equal structure; tensors equal byte for byte (dtype, shape, strides)."""
+    if isinstance(real, torch.Tensor):
+        assert isinstance(shim, torch.Tensor), where
+        meta = (real.dtype, real.shape, real.stride())
+        assert meta == (shim.dtype, shim.shape, shim.stride()), where
+        a, b = real.contiguous().view(-1), shim.contiguous().view(-1)
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+        diff = (a != b).nonzero()
+        assert diff.numel() == 0, f"{where}: {diff.numel()} bytes differ"
+    elif isinstance(real, list | tuple):
+        assert len(real) == len(shim), where
+        for i, (x, y) in enumerate(zip(real, shim, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert real == shim, where
+
+
+@pytest.fixture(scope="module")
+def real():
+    """The real patched stock modules, with Triton interpreted on the CPU."""
+    shim, _ = _shim()
+    with mock.patch.dict(os.environ, CPU_TRITON):
+        for name in shim.STOCK:
+            importlib.import_module(name)
+    kp = sys.modules[KPOOL]
+    if type(kp._expand_pools_and_append_tail_kernel).__name__ != "InterpretedFunction":
+        pytest.fail("vLLM's Triton kernels were imported without TRITON_INTERPRET=1")
+    if (
+        "seq_offset"
+        not in inspect.signature(kp.expand_pools_and_append_tail).parameters
+    ):
+        pytest.fail(f"{kp.__file__} is not patched: no root conftest overlay?")
+    return kp
+
+
+@pytest.fixture(scope="module")
+def shim_side(real, tmp_path_factory):
+    """Stage the files the real import loaded; run the shim side on them."""
+    _, stage = _shim()
+    tmp = tmp_path_factory.mktemp("kernel_env")
+    modules = {rel: rel[:-3].replace("/", ".") for rel in stage.STOCK_FILES}
+    sources = {rel: Path(sys.modules[m].__file__) for rel, m in modules.items()}
+    stage.stage(sources, tmp / "stock")
+    seed = random.randrange(2**31)
+    torch.save(make_inputs(seed), tmp / "inputs.pt")
+    proc = subprocess.run(
+        [sys.executable, __file__, str(tmp)],
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | CPU_TRITON,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return seed, torch.load(tmp / "result.pt", weights_only=False)
+
+
+def test_staged_files_are_what_the_shim_loads():
+    shim, stage = _shim()
+    served = {name.replace(".", "/") + ".py" for name in shim.STOCK}
+    assert served == set(stage.STOCK_FILES)
+
+
+def test_sources_equal(real, shim_side):
+    """Every lifted definition and the whole kpool_compress are the stock text."""
+    shim, _ = _shim()
+    _, result = shim_side
+    assert result["sources"].keys() == {
+        f"{m}.{n}" for m, names in shim.STOCK.items() for n in names or ()
+    }
+    for qualname, source in result["sources"].items():
+        assert describe(_resolve(qualname, shim.STOCK)) == source, qualname
+    kernels = {k: describe(v) for k, v in vars(real).items() if hasattr(v, "fn")}
+    assert kernels == result["kpool_kernels"]
+    assert inspect.getsource(real) == result["kpool_module"]
+
+
+def test_outputs_equal(real, shim_side):
+    """Same inputs, byte-equal caches, tails, outputs and counts."""
+    seed, result = shim_side
+    inputs = torch.load(result["inputs"], weights_only=False)
+    stock = real.mqa_logits_use_mx_scales
+
+    def set_mx(flag):
+        real.mqa_logits_use_mx_scales = stock if flag is None else lambda: flag
+
+    try:
+        got = run_cases(inputs, set_mx)
+    finally:
+        set_mx(None)
+    assert got.keys() == result["outputs"].keys()
+    for name, value in got.items():
+        assert_same(value, result["outputs"][name], f"{name} (seed {seed})")
+
+
+def test_forced_mx_scales_reach_the_kernel(shim_side):
+    """MX on writes four equal UE8M0 bytes (the fp32 scale's exponent) where
+    MX off writes the fp32 scale; nothing else differs. On the CPU the shim's
+    default is off, as stock's off the SM100 family."""
+    seed, result = shim_side
+    assert result["default_mx"] is False
+    inputs = torch.load(result["inputs"], weights_only=False)["kpool"]
+    mx, _ = result["outputs"]["kpool_update_mx=True"]
+    fp32, _ = result["outputs"]["kpool_update_mx=False"]
+    done = (inputs["positions"] % POOL == POOL - 1) & (inputs["slot_mapping"] >= 0)
+    assert done.any(), f"no pool completes (seed {seed})"
+    mx, fp32 = mx.view(mx.shape[0], -1), fp32.view(fp32.shape[0], -1)
+    changed = torch.zeros_like(mx, dtype=torch.bool)
+    for loc in inputs["slot_mapping"][done].tolist():
+        page, col = divmod(loc, PAGE)
+        at = slice(PAGE * D + 4 * col, PAGE * D + 4 * col + 4)
+        exponent = (fp32[page, at].view(torch.int32) >> 23) & 0xFF
+        assert mx[page, at].tolist() == [exponent.item()] * 4, f"seed {seed}"
+        changed[page, at] = True
+    assert torch.equal(mx[~changed], fp32[~changed]), f"seed {seed}"
+
+
+def test_no_real_vllm_in_the_shim_process(shim_side):
+    """Every ``vllm`` module there is the shim's, a staged file or the repo's;
+    the fork's specialized decode imports from the repo."""
+    _, result = shim_side
+    assert result["foreign"] == [], "real vllm modules loaded beside the shim"
+    specialized = result["specialized"]
+    assert isinstance(specialized, list), specialized  # else: the import error
+    assert specialized and all(f.startswith(str(REPO / "vllm")) for f in specialized)
+
+
+def _shim_main(tmp: str) -> None:
+    """The subprocess: install the shim first, then run the cases."""
+    shim, _ = _shim()
+    tmp_dir = Path(tmp)
+    stock = (tmp_dir / "stock").resolve()
+    shim.install(stock, REPO)
+    inputs = torch.load(tmp_dir / "inputs.pt", weights_only=False)
+    kp = importlib.import_module(KPOOL)
+    result = {
+        "inputs": str(tmp_dir / "inputs.pt"),
+        "default_mx": shim.mqa_logits_use_mx_scales(),
+        "sources": {k: describe(v) for k, v in shim.LIFTED.items()},
+        "kpool_kernels": {
+            k: describe(v) for k, v in vars(kp).items() if hasattr(v, "fn")
+        },
+        "kpool_module": inspect.getsource(kp),
+        "outputs": run_cases(inputs, shim.set_mx_scales),
+    }
+    try:  # what the GPU tier imports: kpool, its package and cute_ops
+        importlib.import_module(SPECIALIZED + ".kpool")
+        result["specialized"] = [
+            module.__file__
+            for name, module in sys.modules.items()
+            if name.startswith(SPECIALIZED)
+        ]
+    except Exception as e:
+        result["specialized"] = f"{type(e).__name__}: {e}"
+    result["foreign"] = [
+        name
+        for name, module in sys.modules.items()
+        if name.partition(".")[0] == "vllm"
+        and getattr(module, "__file__", None)
+        and not module.__file__.startswith((str(stock), str(REPO)))
+    ]
+    torch.save(result, tmp_dir / "result.pt")
+
+
+if __name__ == "__main__":
+    _shim_main(*sys.argv[1:])

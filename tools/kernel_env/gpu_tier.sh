@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+#
+# The GPU tier on the kernel-only GPU machine (torch, triton, CuTe DSL; no
+# vLLM), from the project root, after tools/kernel_env/prepare.sh here:
+#
+#   tools/kernel_env/gpu_tier.sh [extra pytest args]
+#
+# which is: source .device/env.sh && KPOOL_KERNEL_ONLY=1 KPOOL_STOCK=.device/stock
+#           python3 -m pytest -q tests/kernels/glm5next -m gpu [args]
+# The stock kernels come from .device/stock through tools/kernel_env/shim.py
+# (the root conftest installs it). With $OUT set, the log and a JUnit XML go
+# there.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+# shellcheck disable=SC1091
+source .device/env.sh || exit 1
+export KPOOL_KERNEL_ONLY=1 KPOOL_STOCK=${KPOOL_STOCK:-.device/stock}
+args=(-q tests/kernels/glm5next -m gpu "$@")
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT"
+  python3 -m tools.kernel_env.shim | tee "$OUT/kernel_env.txt"
+  python3 -m pytest "${args[@]}" --junitxml="$OUT/gpu_tier.xml" 2>&1 | tee "$OUT/gpu_tier.log"
+  exit "${PIPESTATUS[0]}"
+fi
+python3 -m tools.kernel_env.shim
+exec python3 -m pytest "${args[@]}"

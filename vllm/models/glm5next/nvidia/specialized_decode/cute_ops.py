@@ -1,0 +1,266 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Inline-PTX, memory and host helpers shared by the kpool decode kernels.
+
+Bit exactness with the stock Triton kernels depends on issuing the same PTX
+arithmetic, so every operation whose rounding matters is spelled out here as
+one inline-PTX instruction: LLVM can neither contract it into an FMA nor
+re-associate it.
+"""
+
+import functools
+
+import cuda.bindings.driver as cuda
+import torch
+from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.runtime import from_dlpack
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# Triton's `tl.exp` multiplies by log2(e) rounded to FP32 (0x3FB8AA3B).
+LOG2E_F32_HEX = "0f3FB8AA3B"
+
+
+def inline_ptx(result=None, *, pure=False):
+    """Turns ``f(*args) -> (code, constraints, operands)`` into one inline-PTX op.
+
+    ``result`` is a DSL numeric type, a tuple of them, or None. Impure ops
+    (``pure=False``) keep their order relative to every other impure op, which
+    is what loads of data written in the same kernel need. Pointer operands
+    pass their 64-bit address ("l").
+    """
+
+    def wrap(fn):
+        @dsl_user_op
+        @functools.wraps(fn)
+        def op(*args, loc=None, ip=None, **kwargs):
+            code, constraints, operands = fn(*args, **kwargs)
+            values = []
+            for value in operands:
+                if hasattr(value, "toint"):  # a pointer
+                    value = value.toint(loc=loc, ip=ip)
+                values.append(value.ir_value(loc=loc, ip=ip))
+            if result is None:
+                ir_type = None
+            elif isinstance(result, tuple):
+                ir_type = llvm.StructType.get_literal([t.mlir_type for t in result])
+            else:
+                ir_type = result.mlir_type
+            value = llvm.inline_asm(
+                ir_type,
+                values,
+                code,
+                constraints,
+                has_side_effects=not pure,
+                is_align_stack=False,
+                asm_dialect=llvm.AsmDialect.AD_ATT,
+                loc=loc,
+                ip=ip,
+            )
+            if result is None:
+                return None
+            if isinstance(result, tuple):
+                return tuple(
+                    t(llvm.extractvalue(t.mlir_type, value, [i], loc=loc, ip=ip))
+                    for i, t in enumerate(result)
+                )
+            return result(value)
+
+        return op
+
+    return wrap
+
+
+def _registers(count: int, first: int) -> tuple[str, str]:
+    """The vector suffix and register list of a ``count``-word access."""
+    names = ",".join(f"${first + i}" for i in range(count))
+    return (f".v{count}", "{" + names + "}") if count > 1 else ("", names)
+
+
+# --- Memory ---------------------------------------------------------------
+
+
+def load_words(pointer, count: int):
+    """``count`` 32-bit words at ``pointer`` (one vector load, ordered with the
+    kernel's stores: the data may have been written earlier in the kernel)."""
+
+    @inline_ptx((Uint32,) * count)
+    def load(pointer):
+        vector, registers = _registers(count, 0)
+        code = f"ld.global{vector}.b32 {registers}, [${count}];"
+        return code, ",".join(["=r"] * count + ["l", "~{memory}"]), (pointer,)
+
+    return load(pointer)
+
+
+def load_words_if(pointer, count: int, when):
+    """``count`` words at ``pointer`` if ``when``, else zeros: a predicated
+    load of data nothing writes during the kernel, which the compiler may
+    schedule freely (several in flight per thread)."""
+
+    @inline_ptx((Uint32,) * count, pure=True)
+    def load(pointer, when):
+        vector, registers = _registers(count, 0)
+        zero = " ".join(f"mov.b32 ${i},0;" for i in range(count))
+        code = (
+            f"{{ .reg .pred p; setp.ne.b32 p,${count + 1},0; {zero} "
+            f"@p ld.global.nc{vector}.b32 {registers}, [${count}]; }}"
+        )
+        return code, ",".join(["=r"] * count + ["l", "r"]), (pointer, Int32(when))
+
+    return load(pointer, when)
+
+
+@inline_ptx()
+def store_words_if(pointer, words, when):
+    """``store_words`` predicated on ``when``."""
+    vector, registers = _registers(len(words), 1)
+    flag = len(words) + 1
+    code = (
+        f"{{ .reg .pred p; setp.ne.b32 p,${flag},0; "
+        f"@p st.global{vector}.b32 [$0], {registers}; }}"
+    )
+    constraints = "l" + ",r" * len(words) + ",r,~{memory}"
+    words = tuple(Uint32(w) for w in words)
+    return code, constraints, (pointer, *words, Int32(when))
+
+
+@inline_ptx()
+def store_words(pointer, words):
+    """``words`` (1, 2 or 4 of them) as one vector store at ``pointer``."""
+    vector, registers = _registers(len(words), 1)
+    constraints = "l" + ",r" * len(words) + ",~{memory}"
+    words = tuple(Uint32(w) for w in words)
+    return f"st.global{vector}.b32 [$0], {registers};", constraints, (pointer, *words)
+
+
+# --- Bits -----------------------------------------------------------------
+
+
+def float_bits(value) -> Uint32:
+    return Uint32(llvm.bitcast(T.i32(), Float32(value).ir_value()))
+
+
+def bits_float(bits) -> Float32:
+    return Float32(llvm.bitcast(T.f32(), Uint32(bits).ir_value()))
+
+
+@inline_ptx((Float32, Float32), pure=True)
+def unpack_bf16(word):
+    """The FP32 values of the low and high BF16 halves of ``word`` (exact)."""
+    return "shl.b32 $0,$2,16; and.b32 $1,$2,0xffff0000;", "=f,=f,r", (Uint32(word),)
+
+
+@inline_ptx(Uint32, pure=True)
+def pack_fp8(a, b, c, d):
+    """FP8 E4M3 (round to nearest, saturating) of four values, ``a`` in the
+    lowest byte: Triton's conversion of an FP32 store into an FP8 buffer."""
+    code = (
+        "{ .reg .b16 lo,hi; cvt.rn.satfinite.e4m3x2.f32 lo,$2,$1; "
+        "cvt.rn.satfinite.e4m3x2.f32 hi,$4,$3; mov.b32 $0,{lo,hi}; }"
+    )
+    values = tuple(Float32(v) for v in (a, b, c, d))
+    return code, "=r,f,f,f,f", values
+
+
+# --- FP32 arithmetic as Triton emits it -----------------------------------
+
+
+@inline_ptx(Float32, pure=True)
+def add(a, b):
+    """``a + b`` rounded on its own (never contracted into an FMA)."""
+    return "add.f32 $0,$1,$2;", "=f,f,f", (Float32(a), Float32(b))
+
+
+@inline_ptx(Float32, pure=True)
+def fma(a, b, c):
+    """``a * b + c`` with one rounding: Triton's contraction of ``c += a * b``."""
+    return "fma.rn.f32 $0,$1,$2,$3;", "=f,f,f,f", (Float32(a), Float32(b), Float32(c))
+
+
+@inline_ptx(Float32, pure=True)
+def div(a, b):
+    """Triton's FP32 ``/``: the approximate ``div.full.f32``."""
+    return "div.full.f32 $0,$1,$2;", "=f,f,f", (Float32(a), Float32(b))
+
+
+@inline_ptx(Float32, pure=True)
+def exp_diff(score, peak):
+    """Triton's ``tl.exp(score - peak)``: ``ex2.approx`` of the difference
+    times log2(e), each step rounded on its own."""
+    code = (
+        "{ .reg .f32 d; sub.f32 d,$1,$2; "
+        f"mul.f32 d,d,{LOG2E_F32_HEX}; ex2.approx.f32 $0,d; }}"
+    )
+    return code, "=f,f,f", (Float32(score), Float32(peak))
+
+
+@inline_ptx(Float32, pure=True)
+def round_bf16(value):
+    """``value`` rounded to BF16 (nearest even) and widened back to FP32."""
+    code = (
+        "{ .reg .b16 h; .reg .b32 w; cvt.rn.bf16.f32 h,$1; "
+        "cvt.u32.u16 w,h; shl.b32 $0,w,16; }"
+    )
+    return code, "=f,f", (Float32(value),)
+
+
+@inline_ptx(Float32, pure=True)
+def ceil(value):
+    return "cvt.rpi.f32.f32 $0,$1;", "=f,f", (Float32(value),)
+
+
+# --- Integer arithmetic as Triton emits it --------------------------------
+
+
+def trunc_div(value, divisor: int):
+    """``value // divisor`` rounded toward zero, as Triton (C) divides signed
+    integers; the DSL's ``//`` floors. ``divisor`` is a power of two."""
+    assert divisor > 0 and divisor & (divisor - 1) == 0, divisor
+    shift = divisor.bit_length() - 1
+    value = Int32(value)
+    if shift == 0:
+        return value
+    # Bias negative values by divisor - 1 so the arithmetic shift truncates.
+    bias = Int32(Uint32(value >> 31) >> (32 - shift))
+    return (value + bias) >> shift
+
+
+# --- Host -----------------------------------------------------------------
+
+
+class _NoSyncDLPack:
+    """A DLPack view that asks torch for no stream synchronization, so taking
+    it inside a CUDA graph capture records nothing."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __dlpack__(self, stream=None):
+        return self.tensor.__dlpack__(stream=-1)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+def to_cute(tensor: torch.Tensor, align: int):
+    """A 1-D (flat) CuTe view of ``tensor`` whose length is a runtime value,
+    so one compiled kernel serves every batch size."""
+    assert tensor.data_ptr() % align == 0, (
+        f"expected a {align}-byte aligned tensor, got address {tensor.data_ptr():#x}"
+    )
+    view = from_dlpack(_NoSyncDLPack(tensor.detach()), assumed_align=align)
+    return view.mark_layout_dynamic(leading_dim=0)
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """The storage span of ``tensor`` as a 1-D view starting at its first
+    element; the kernels index it with the tensor's own strides."""
+    if tensor.numel() == 0:
+        return tensor.as_strided((0,), (1,))
+    span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    return tensor.as_strided((span,), (1,))
+
+
+def stream(device: torch.device) -> cuda.CUstream:
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
