@@ -32,10 +32,11 @@ if os.environ.get("KPOOL_KERNEL_ONLY") == "1":
 
 from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits  # noqa: E402
 from vllm.models.glm5next.nvidia.ops import kpool_compress  # noqa: E402
-from vllm.models.glm5next.nvidia.specialized_decode import kpool  # noqa: E402
 from vllm.v1.attention.backends.mla.sparse_utils import (  # noqa: E402
     triton_convert_req_index_to_global_index,
 )
+
+from vllm.models.glm5next.nvidia.specialized_decode import kpool  # noqa: E402
 
 DIM, POOL, GROUPS, WIDTH, BLOCK = 128, 4, 512, 2176, 64
 ROWS = (1, 8, 32, 64, 128, 256)
@@ -60,8 +61,9 @@ def graph_time_us(fns, launches: int, replays: int) -> float:
         graph.replay()
     times = []
     for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-            enable_timing=True
+        start, end = (
+            torch.cuda.Event(enable_timing=True),
+            torch.cuda.Event(enable_timing=True),
         )
         start.record()
         graph.replay()
@@ -230,8 +232,12 @@ def upcast_sweep(args, device) -> None:
         for threads in (128, 256, 512):
             for unroll in (1, 2, 4):
                 for cap in (1024, 4096):
-                    fns = [lambda s=s, t=threads, u=unroll, c=cap: kpool.upcast_logits(
-                        s[0], s[1], t, True, c, unroll=u, out=s[2]) for s in sets]
+                    fns = [
+                        lambda s=s, t=threads, u=unroll, c=cap: kpool.upcast_logits(
+                            s[0], s[1], t, True, c, unroll=u, out=s[2]
+                        )
+                        for s in sets
+                    ]
                     us = graph_time_us(fns, args.launches, args.replays)
                     line.append(f"t{threads}/u{unroll}/c{cap} {us:.2f}")
         print(" | ".join(line), flush=True)
@@ -244,7 +250,9 @@ def launch_floor_us(launches, replays) -> float:
     class Empty:
         @cute.jit
         def __call__(self, st: cuda.CUstream):
-            self.kernel().launch(grid=(1, 1, 1), block=(32, 1, 1), stream=st, use_pdl=True)
+            self.kernel().launch(
+                grid=(1, 1, 1), block=(32, 1, 1), stream=st, use_pdl=True
+            )
 
         @cute.kernel
         def kernel(self):
@@ -276,7 +284,9 @@ def versions() -> dict:
             cutedsl = version("nvidia-cutlass-dsl")
     except Exception as error:  # the report must not die on a version lookup
         cutedsl = f"unknown ({error})"
-    driver = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None
+    driver = (
+        torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None
+    )
     try:
         import subprocess
 
@@ -298,8 +308,11 @@ def main() -> int:
     parser.add_argument("--launches", type=int, default=20)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--only", default="", help="substring of kernel names")
-    parser.add_argument("--upcast-sweep", action="store_true",
-                        help="also time upcast_logits configs (threads, unroll, cap)")
+    parser.add_argument(
+        "--upcast-sweep",
+        action="store_true",
+        help="also time upcast_logits configs (threads, unroll, cap)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -319,14 +332,17 @@ def main() -> int:
         if moved:
             row["ours_of_copy"] = moved / o / 1e3 / meta["copy_gbs"]
         rows.append(row)
-        print(f"{kernel:24} {size:>10} stock {s:8.2f} µs  ours {o:8.2f} µs  x{s / o:.2f}",
+        print(f"{kernel:24} {size:>10} stock {s:8.2f} µs ours {o:8.2f} µs x{s / o:.2f}",
               flush=True)  # fmt: skip
     args.json.write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
     print()
     print(" | ".join(f"{k} {v}" for k, v in meta.items() if "_" not in k))
     print(f"launch floor {meta['launch_floor_us']:.2f} µs, "
           f"copy {meta['copy_gbs']:.0f} GB/s (read + write)")  # fmt: skip
-    print(f"| {'kernel':24} | {'size':>10} | stock µs | ours µs | stock/ours | of copy BW |")
+    print(
+        f"| {'kernel':24} | {'size':>10} | stock µs | ours µs | stock/ours "
+        "| of copy BW |"
+    )
     print(f"|{'-' * 26}|{'-' * 12}|---------:|--------:|-----------:|-----------:|")
     for r in rows:
         share = f"{r['ours_of_copy']:.0%}" if "ours_of_copy" in r else ""

@@ -32,26 +32,38 @@ def main() -> None:
     for r in data["results"]:
         # Update sizes are "requests x tokens": one series per token count.
         series = r["size"].split("x")[1] if "update" in r["kernel"] else ""
-        panels[r["kernel"]][series].append((rows_of(r["size"]), r["stock_us"], r["ours_us"]))
+        panels[r["kernel"]][series].append(
+            (rows_of(r["size"]), r["stock_us"], r["ours_us"])
+        )
     cols = 3
     fig, axes = plt.subplots(
-        (len(panels) + cols - 1) // cols, cols, figsize=(5 * cols, 3.6 * ((len(panels) + cols - 1) // cols)),
+        (len(panels) + cols - 1) // cols,
+        cols,
+        figsize=(5 * cols, 3.6 * ((len(panels) + cols - 1) // cols)),
         squeeze=False,
     )
-    for ax, (kernel, by_series) in zip(axes.flat, panels.items()):
+    for ax, (kernel, by_series) in zip(axes.flat, panels.items(), strict=False):
         for series, points in sorted(by_series.items()):
             points.sort()
             xs = [p[0] for p in points]
             tag = f" ({series} tok)" if series else ""
-            ax.plot(xs, [p[1] for p in points], "o--", color="tab:gray", label="stock" + tag)
-            ax.plot(xs, [p[2] for p in points], "o-", color="tab:green", label="specialized" + tag)
+            ax.plot(
+                xs, [p[1] for p in points], "o--", color="tab:gray", label="stock" + tag
+            )
+            ax.plot(
+                xs,
+                [p[2] for p in points],
+                "o-",
+                color="tab:green",
+                label="specialized" + tag,
+            )
         ax.set_xscale("log", base=2)
         ax.set_title(kernel)
         ax.set_xlabel("rows (requests)")
         ax.set_ylabel("µs per launch")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     meta = data["meta"]
     fig.suptitle(

@@ -403,7 +403,8 @@ def test_find_installed_vllm_does_not_import_it():
     if r.stdout.strip() != "None":
         found = Path(r.stdout.strip())
         assert (found / "__init__.py").is_file()
-        assert patchset.REPO_ROOT not in found.parents
+        assert found != patchset.REPO_ROOT / "vllm"  # not the repo's added files
+        assert patchset.OVERLAY_DIR not in found.parents
 
 
 def test_overlay_is_a_patched_hard_link_copy(site_tree, fork_ps, snap, tmp_path):

@@ -44,6 +44,7 @@ def test_expand_pools_matches_stock():
     from vllm.models.glm5next.nvidia.ops.kpool_compress import (
         expand_pools_and_append_tail,
     )
+
     from vllm.models.glm5next.nvidia.specialized_decode.kpool import expand_pools
 
     seed, cases = fuzz_seed(), fuzz_cases(1000)
@@ -79,6 +80,7 @@ def test_expand_pools_matches_stock():
             bad = (stock_out != ours_out).nonzero()
             failures.append(
                 f"seed {seed + i}: rows {rows} groups {groups} width {width} "
-                f"offset {seq_offset}: {bad.shape[0]} ids differ, first {bad[:1].tolist()}"
+                f"offset {seq_offset}: {bad.shape[0]} ids differ, "
+                f"first {bad[:1].tolist()}"
             )
     report("expand_pools", cases, seed, failures)

@@ -23,20 +23,18 @@ SCALES = [(True, True), (False, True), (False, False)]
 MODES = ["normal", "huge", "tiny", "zeros", "ties", "sharp"]
 
 
-def _values(mode: str, shape, gen) -> tuple[torch.Tensor, torch.Tensor]:
+def _values(modes: list[str], shape, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and scores of ``shape`` [requests, tokens, dim], request ``r``'s
+    drawn as ``modes[r]`` says."""
     key = torch.randn(shape, generator=gen)
     score = torch.randn(shape, generator=gen)
-    if mode == "huge":
-        key *= 3e4
-    elif mode == "tiny":
-        key *= 1e-7
-    elif mode == "zeros":
-        key.zero_()
-    elif mode == "ties":
-        key = key[..., :1, :].expand(shape).clone()
-        score = score[..., :1, :].expand(shape).clone()
-    elif mode == "sharp":
-        score *= 60
+    mode = torch.tensor([MODES.index(m) for m in modes])[:, None, None]
+    scale = torch.tensor([1.0, 3e4, 1e-7, 0.0, 1.0, 1.0])[mode]
+    key = key * scale
+    score = torch.where(mode == MODES.index("sharp"), score * 60, score)
+    ties = mode == MODES.index("ties")
+    key = torch.where(ties, key[:, :1], key)
+    score = torch.where(ties, score[:, :1], score)
     return key, score
 
 
@@ -53,13 +51,10 @@ def make_case(seed: int, device):
     mx, round_scale = rng.choice(SCALES)
     index_dtype = rng.choice([torch.int32, torch.int64])
 
-    # Positions in order per request; padding rows and tokens are -1.
-    positions = torch.empty(requests, tokens, dtype=torch.int32)
-    for r in range(requests):
-        start = rng.randint(0, 5000)
-        positions[r] = torch.arange(start, start + tokens, dtype=torch.int32)
-        if rng.random() < 0.08:
-            positions[r] = -1
+    # Positions in order per request; padding rows and tokens are negative.
+    starts = torch.randint(0, 5000, (requests, 1), generator=gen)
+    positions = (starts + torch.arange(tokens)).to(torch.int32)
+    positions[torch.rand(requests, generator=gen) < 0.08] = -1
     token_pad = torch.rand(requests, tokens, generator=gen) < 0.03
     positions[token_pad] = -1 - torch.randint(
         0, 3, (int(token_pad.sum()),), dtype=torch.int32
@@ -81,11 +76,8 @@ def make_case(seed: int, device):
     writes |= torch.rand(requests, tokens, generator=gen) < 0.05
     slots[writes] = free[: int(writes.sum())]
 
-    key = torch.empty(requests, tokens, DIM)
-    score = torch.empty(requests, tokens, DIM)
     modes = [rng.choice(MODES) for _ in range(requests)]
-    for r, mode in enumerate(modes):
-        key[r], score[r] = _values(mode, (tokens, DIM), gen)
+    key, score = _values(modes, (requests, tokens, DIM), gen)
     ape = torch.randn(POOL, DIM, generator=gen) * rng.choice([0.0, 0.1, 1.0, 10.0])
 
     page_bytes = page * (DIM + 4) + page_pad
@@ -97,10 +89,10 @@ def make_case(seed: int, device):
     ring_values = tail.view(requests + 4, -1)[:, : 2 * ring * DIM].view(
         -1, 2, ring, DIM
     )
-    for r, mode in enumerate(modes):
-        if mode == "ties":  # the stashed pool members tie with the current ones
-            ring_values[tail_blocks[r], 0] = key[r, 0]
-            ring_values[tail_blocks[r], 1] = score[r, 0]
+    # The stashed pool members of "ties" requests tie with the current ones.
+    ties = torch.tensor([m == "ties" for m in modes])
+    ring_values[tail_blocks[ties], 0] = key[ties, :1]
+    ring_values[tail_blocks[ties], 1] = score[ties, :1]
     tail = tail.to(torch.bfloat16)
     # Keys and scores may be views into wider per-request rows.
     spare = rng.choice([0, 1])
@@ -170,7 +162,8 @@ def test_kpool_update_matches_stock(monkeypatch):
         torch.cuda.synchronize()
         diffs = [
             _differs("fp8 cache", stock_cache, ours_cache),
-            _differs("tail cache", stock_tail.view(torch.uint8), ours_tail.view(torch.uint8)),
+            _differs("tail cache", stock_tail.view(torch.uint8),
+                     ours_tail.view(torch.uint8)),
         ]  # fmt: skip
         if any(diffs):
             failures.append(f"{summary}: {[d for d in diffs if d]}")

@@ -36,14 +36,15 @@ from vllm.models.glm5next.nvidia import sparse_indexer  # noqa: E402
 from vllm.models.glm5next.nvidia import specialized_decode as sd  # noqa: E402
 from vllm.models.glm5next.nvidia.specialized_decode import kpool  # noqa: E402
 
-UNIFORM = [
+# Steps whose top-k rows are the decode tokens in order (they defer).
+TOKEN_ROWS = [
     pytest.param(Step([1, 1, 1], [150, 203, 190]), id="decode"),
     pytest.param(Step([2, 2], [157, 210], seed=1), id="mtp2"),
     pytest.param(Step([4, 4], [161, 233], seed=2), id="mtp4"),
     pytest.param(Step([1, 1, 1], [150, 203, 190], pad_rows=3, seed=3), id="padrows"),
     pytest.param(Step([1, 3, 2], [171, 140, 255], "varlen", seed=4), id="varlen"),
 ]
-STEPS = UNIFORM + [
+STEPS = TOKEN_ROWS + [
     pytest.param(Step([1, 3, 2], [171, 140, 255], "padded", seed=5), id="padded"),
     pytest.param(Step([2, 2], [40, 90], seed=6), id="short"),
     pytest.param(Step([1, 1], [150, 180], prefill=9, seed=7), id="mixed"),
@@ -123,13 +124,13 @@ def test_stage_off_is_stock(monkeypatch, references, stock_module, step):
     """SPECIALIZED_KPOOL None: the patched tree writes what stock writes."""
     monkeypatch.setattr(sparse_indexer, "SPECIALIZED_KPOOL", None)
     inputs = make_inputs(step)
-    patched = run_step(sparse_indexer, inputs, make_group(
-        inputs.args["topk_indices_buffer"], 64, []
-    ))  # fmt: skip
-    assert_same(patched, stock_run(stock_module, inputs))
+    group = make_group(inputs.args["topk_indices_buffer"], 64, [])
+    assert_same(
+        run_step(sparse_indexer, inputs, group), stock_run(stock_module, inputs)
+    )
 
 
-@pytest.mark.parametrize("step", UNIFORM)
+@pytest.mark.parametrize("step", TOKEN_ROWS)
 def test_defer_and_fused_remap(monkeypatch, references, stock_module, step):
     """Token-ordered decode rows: the pool top-k goes straight to FusedRemap;
     the logical rows stay unfilled (no consumer reads them)."""

@@ -258,7 +258,9 @@ def flat(tensor: torch.Tensor) -> torch.Tensor:
     element; the kernels index it with the tensor's own strides."""
     if tensor.numel() == 0:
         return tensor.as_strided((0,), (1,))
-    span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    span = 1 + sum(
+        (n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True)
+    )
     return tensor.as_strided((span,), (1,))
 
 

@@ -25,7 +25,6 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
-
 from vllm.forward_context import in_piecewise_cudagraph
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits
@@ -33,6 +32,10 @@ from vllm.models.glm5next.nvidia.ops.kpool_compress import (
     expand_pools_and_append_tail,
     kpool_decode_update_and_maybe_write_cache_batched,
 )
+from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
+from vllm.utils.torch_utils import current_stream
+from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
+
 from vllm.models.glm5next.nvidia.specialized_decode import planned
 from vllm.models.glm5next.nvidia.specialized_decode.cute_ops import (
     add,
@@ -54,9 +57,6 @@ from vllm.models.glm5next.nvidia.specialized_decode.cute_ops import (
     trunc_div,
     unpack_bf16,
 )
-from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
-from vllm.utils.torch_utils import current_stream
-from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
 logger = init_logger(__name__)
 
@@ -82,6 +82,12 @@ def freeze(frozen: bool = True) -> None:
     capture would pay for it): make it raise."""
     global _frozen
     _frozen = frozen
+
+
+def ready(key) -> bool:
+    """Whether a launch with compile key ``key`` runs without compiling, or
+    may still compile (before warmup has frozen the cache)."""
+    return key in _compiled or not _frozen
 
 
 def _kernel(key, build, args):
@@ -140,9 +146,20 @@ class _UpdateKernel:
         key_tok: Int32, score_req: Int32, score_tok: Int32, st: cuda.CUstream,
     ):  # fmt: skip
         self.kernel(
-            cache, tail, tail_slots, key, score, ape, slots, positions, tokens,
-            key_req, key_tok, score_req, score_tok,
-        ).launch(grid=(requests, 1, 1), block=(32, 1, 1), stream=st, use_pdl=True)  # fmt: skip
+            cache,
+            tail,
+            tail_slots,
+            key,
+            score,
+            ape,
+            slots,
+            positions,
+            tokens,
+            key_req,
+            key_tok,
+            score_req,
+            score_tok,
+        ).launch(grid=(requests, 1, 1), block=(32, 1, 1), stream=st, use_pdl=True)
 
     @cute.kernel
     def kernel(
@@ -282,7 +299,7 @@ def kpool_update(
     _check(kv_cache.dtype == torch.uint8, "kv_cache", "uint8", kv_cache.dtype)
     _check(
         kv_cache.ndim == 3 and kv_cache.stride(0) % 4 == 0 and kv_cache.stride(2) == 1,
-        "kv_cache", "[blocks, page, bytes] with a 4-byte page stride", kv_cache.stride(),
+        "kv_cache", "[blocks, page, bytes] with 4-byte pages", kv_cache.stride(),
     )  # fmt: skip
     _check(
         tail_kv_cache.dtype == torch.bfloat16 and tail_kv_cache.ndim == 4,
@@ -324,9 +341,9 @@ def kpool_update(
             name, f"a contiguous int32/int64 [{requests}, {tokens}]",
             (t.dtype, tuple(t.shape), t.stride()),
         )  # fmt: skip
-    config = (
-        pool_size, ring, kv_cache.shape[1], kv_cache.stride(0),
-        tail_kv_cache.stride(0), tail_kv_cache.stride(1), mx_scales, round_scale,
+    key_ = _update_key(
+        kv_cache, tail_kv_cache, tail_slot_mapping, slot_mapping, positions,
+        mx_scales, round_scale,
     )  # fmt: skip
     tensors = (
         (kv_cache, 4), (tail_kv_cache, 8), (tail_slot_mapping, 4), (key, 8),
@@ -337,10 +354,19 @@ def kpool_update(
         Int32(requests), Int32(tokens), Int32(key.stride(0)), Int32(key.stride(1)),
         Int32(slot_score.stride(0)), Int32(slot_score.stride(1)),
     )  # fmt: skip
-    dtypes = (tail_slot_mapping.dtype, slot_mapping.dtype, positions.dtype)
-    key_ = ("update", config, dtypes, key.device.index)
     args += [*scalars, stream(key.device)]
-    _kernel(key_, lambda: _UpdateKernel(*config), args)(*args)
+    _kernel(key_, lambda: _UpdateKernel(*key_[1]), args)(*args)
+
+
+def _update_key(
+    kv_cache, tail_kv_cache, tail_slots, slots, positions, mx_scales, round_scale
+):
+    config = (
+        POOL, tail_kv_cache.shape[2], kv_cache.shape[1], kv_cache.stride(0),
+        tail_kv_cache.stride(0), tail_kv_cache.stride(1), mx_scales, round_scale,
+    )  # fmt: skip
+    dtypes = (tail_slots.dtype, slots.dtype, positions.dtype)
+    return ("update", config, dtypes, kv_cache.device.index)
 
 
 # --- expand_pools -----------------------------------------------------------
@@ -362,7 +388,8 @@ class _ExpandKernel:
         st: cuda.CUstream,
     ):  # fmt: skip
         ctas = (self.groups + self.threads - 1) // self.threads
-        self.kernel(pool_ids, positions, out, ids_stride, out_stride, seq_offset).launch(
+        args = (pool_ids, positions, out, ids_stride, out_stride, seq_offset)
+        self.kernel(*args).launch(
             grid=(rows, ctas, 1), block=(self.threads, 1, 1), stream=st,
             use_pdl=self.pdl,
         )  # fmt: skip
@@ -408,7 +435,7 @@ def expand_pools(
     _check(pool_size == POOL, "pool_size", str(POOL), pool_size)
     _check(
         pool_ids.dtype == torch.int32 and pool_ids.stride(1) == 1,
-        "pool_ids", "int32 with unit column stride", (pool_ids.dtype, pool_ids.stride()),
+        "pool_ids", "int32, unit column stride", (pool_ids.dtype, pool_ids.stride()),
     )  # fmt: skip
     _check(
         out.dtype == torch.int32 and out.ndim == 2 and out.stride(1) == 1
@@ -433,10 +460,13 @@ def expand_pools(
             Int32(rows), Int32(pool_ids.stride(0)), Int32(out.stride(0)),
             Int32(seq_offset), stream(out.device),
         ]  # fmt: skip
-        config = (pool_size, groups, threads, pdl)
-        key = ("expand", config, seq_lens.dtype, out.device.index)
-        _kernel(key, lambda: _ExpandKernel(*config), args)(*args)
+        key = _expand_key(groups, seq_lens, out.device, threads, pdl)
+        _kernel(key, lambda: _ExpandKernel(*key[1]), args)(*args)
     return out[:rows, :out_cols]
+
+
+def _expand_key(groups, seq_lens, device, threads=EXPAND_THREADS, pdl=True):
+    return ("expand", (POOL, groups, threads, pdl), seq_lens.dtype, device.index)
 
 
 # --- expand_and_remap -------------------------------------------------------
@@ -470,9 +500,18 @@ class _RemapKernel:
         max_blocks: Int32, seq_offset: Int32, st: cuda.CUstream,
     ):  # fmt: skip
         self.kernel(
-            pool_ids, positions, req_ids, block_table, out, counts, expanded,
-            ids_stride, bt_stride, max_blocks, seq_offset,
-        ).launch(grid=(rows, 1, 1), block=(self.groups, 1, 1), stream=st, use_pdl=True)  # fmt: skip
+            pool_ids,
+            positions,
+            req_ids,
+            block_table,
+            out,
+            counts,
+            expanded,
+            ids_stride,
+            bt_stride,
+            max_blocks,
+            seq_offset,
+        ).launch(grid=(rows, 1, 1), block=(self.groups, 1, 1), stream=st, use_pdl=True)
 
     @cute.jit
     def slot(self, block_table, req, bt_stride, token):
@@ -502,10 +541,10 @@ class _RemapKernel:
             # The stock expansion's int32 token ids: negative ones (wrapped
             # included) and blocks past the table are invalid.
             token = pid * self.pool
-            if pid >= 0 and token >= 0:
-                if token // self.block_size < max_blocks:
-                    live = Int32(1)
-                    first = self.slot(block_table, req, bt_stride, token)
+            block = token // self.block_size
+            if pid >= 0 and token >= 0 and block < max_blocks:
+                live = Int32(1)
+                first = self.slot(block_table, req, bt_stride, token)
         ballot = cute.arch.vote_ballot_sync(live == 1)
         below = cute.arch.popc(ballot & ((Uint32(1) << lane) - Uint32(1)))
         if lane == 0:
@@ -526,11 +565,11 @@ class _RemapKernel:
                 tail_start = trunc_div(seq_len, self.pool) * self.pool
                 for j in cutlass.range_constexpr(self.pool - 1):
                     token = tail_start + j
-                    if j < seq_len - tail_start:
-                        if token // self.block_size < max_blocks:
-                            value = self.slot(block_table, req, bt_stride, token)
-                            out[Int64(row) * self.width + total] = value
-                            total += 1
+                    block = token // self.block_size
+                    if j < seq_len - tail_start and block < max_blocks:
+                        value = self.slot(block_table, req, bt_stride, token)
+                        out[Int64(row) * self.width + total] = value
+                        total += 1
             counts[row] = total
             warp_counts[self.warps] = total
         cute.arch.barrier()
@@ -588,7 +627,7 @@ def expand_and_remap(
     )  # fmt: skip
     _check(
         pool_ids.dtype == torch.int32 and pool_ids.stride(1) == 1,
-        "pool_ids", "int32 with unit column stride", (pool_ids.dtype, pool_ids.stride()),
+        "pool_ids", "int32, unit column stride", (pool_ids.dtype, pool_ids.stride()),
     )  # fmt: skip
     _check(
         block_table.dtype == torch.int32 and block_table.ndim == 2
@@ -617,9 +656,13 @@ def expand_and_remap(
         Int32(block_table.stride(0)), Int32(block_table.shape[1]),
         Int32(seq_offset), stream(out.device),
     ]  # fmt: skip
-    config = (pool_size, groups, width, block_size, stride_rows)
-    key = ("remap", config, pos.dtype, out.device.index)
-    _kernel(key, lambda: _RemapKernel(*config), args)(*args)
+    key = _remap_key(groups, width, block_size, stride_rows, pos, out.device)
+    _kernel(key, lambda: _RemapKernel(*key[1]), args)(*args)
+
+
+def _remap_key(groups, width, block_size, stride_rows, positions, device):
+    config = (POOL, groups, width, block_size, stride_rows)
+    return ("remap", config, positions.dtype, device.index)
 
 
 # --- upcast_logits ----------------------------------------------------------
@@ -660,7 +703,7 @@ class _UpcastKernel:
                 load_words_if(src.iterator + offset + c, 4, c + 8 <= end)
                 for c in chunks
             ]
-            for c, w in zip(chunks, words):
+            for c, w in zip(chunks, words, strict=True):
                 values = []
                 for i in cutlass.range_constexpr(4):
                     lo, hi = unpack_bf16(w[i])
@@ -718,9 +761,13 @@ def upcast_logits(
         to_cute(flat(logits), 16), to_cute(flat(out), 16), to_cute(ends, 4),
         Int32(rows), Int32(splits), Int32(logits.stride(0)), stream(logits.device),
     ]  # fmt: skip
-    key = ("upcast", threads, pdl, unroll, logits.device.index)
-    _kernel(key, lambda: _UpcastKernel(threads, pdl, unroll), args)(*args)
+    key = _upcast_key(logits.device, threads, pdl, unroll)
+    _kernel(key, lambda: _UpcastKernel(*key[1]), args)(*args)
     return out
+
+
+def _upcast_key(device, threads=UPCAST_THREADS, pdl=True, unroll=UPCAST_UNROLL):
+    return ("upcast", (threads, pdl, unroll), device.index)
 
 
 # --- Integration ------------------------------------------------------------
@@ -754,11 +801,15 @@ class FusedRemap:
             )
         group = self.group
         rows = logical.shape[0]
+        stride_rows = block_stride_rows or block_size
         if (
             layer_index != 0
             or not return_valid_counts
             or idx_mapping is not None
             or rows > group.physical_topk_indices.shape[0]
+            or not _remap_takes(
+                pending, logical, req_ids, block_table, block_size, stride_rows
+            )
         ):
             self.stage.materialize(pending, logical)
             return self.stock(
@@ -775,8 +826,7 @@ class FusedRemap:
         with group.side_stream:
             expand_and_remap(
                 pool_ids, positions, pool_size, req_ids, block_table, out, counts,
-                block_size=block_size,
-                stride_rows=block_stride_rows or block_size,
+                block_size=block_size, stride_rows=stride_rows,
             )  # fmt: skip
             group.physical_topk_ready.record(group.side_stream)
         compute_stream.wait_event(group.physical_topk_ready)
@@ -807,7 +857,8 @@ class KpoolStage:
         impls = [attn.mla_attn.mla_attn.impl for attn in attentions]
         groups = [getattr(impl, "index_group", None) for impl in impls]
         self.why_not_fused = [
-            self._unfusable(impl, group) for impl, group in zip(impls, groups)
+            self._unfusable(impl, group)
+            for impl, group in zip(impls, groups, strict=True)
         ]
         if attentions and not any(self.why_not_fused):
             self.fuse = True
@@ -856,12 +907,39 @@ class KpoolStage:
         assert pool_ids.data_ptr() == self.pool_buffer.data_ptr()
         self.pending = (pool_ids, positions, pool_size)
 
-    @staticmethod
-    def materialize(pending, logical: torch.Tensor) -> None:
+    @classmethod
+    def materialize(cls, pending, logical: torch.Tensor) -> None:
         """The logical top-k rows the stock indexer would have written."""
         pool_ids, positions, pool_size = pending
         logical.fill_(-1)
-        expand_pools(pool_ids, positions, pool_size, seq_offset=1, out=logical)
+        cls.expand(pool_ids, positions, pool_size, seq_offset=1, out=logical)
+
+    def warmup(self, attentions, *, max_rows: int, positions_dtype=torch.int64):
+        """Compiles every kernel a planned step of these DSA layers can launch
+        by launching each once on scratch inputs (padding rows: nothing real is
+        written), so no decode step or CUDA graph capture compiles."""
+        del max_rows  # shapes are runtime values: one compile serves all rows
+        device = self.pool_buffer.device
+        mx = mqa_logits_use_mx_scales()
+        positions = {torch.int32, positions_dtype}
+        for attn in attentions:
+            indexer = attn.indexer
+            round_scale = getattr(indexer, "scale_fmt", "ue8m0") is not None
+            kv, tail = indexer.k_cache.kv_cache, indexer.tail_cache.kv_cache
+            for index_dtype in (torch.int64, torch.int32):
+                _warm_update(kv, tail, index_dtype, mx, round_scale)
+            groups = indexer.topk_tokens // POOL
+            for dtype in positions:
+                _warm_expand(groups, dtype, device)
+            width = indexer.topk_indices_buffer.shape[1]
+            layout = _remap_layout(attn) if self.fuse else None
+            if layout is not None and self.defers(
+                indexer.k_cache.prefix, 1, indexer.topk_tokens, POOL, width
+            ):
+                for dtype in positions:
+                    _warm_remap(groups, width, *layout, dtype, device)
+        _warm_upcast(device)
+        torch.cuda.synchronize(device)
 
     @staticmethod
     def update(
@@ -871,7 +949,10 @@ class KpoolStage:
         if not _update_takes(
             kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape,
             slot_mapping, positions, pool_size, head_dim,
-        ):  # fmt: skip
+        ) or not ready(_update_key(
+            kv_cache, tail_kv_cache, tail_slot_mapping, slot_mapping, positions,
+            mqa_logits_use_mx_scales(), round_scale,
+        )):  # fmt: skip
             return kpool_decode_update_and_maybe_write_cache_batched(
                 kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape,
                 slot_mapping, positions, pool_size, head_dim, round_scale=round_scale,
@@ -893,6 +974,7 @@ class KpoolStage:
             or row_ends.dtype != torch.int32
             or row_ends.numel() != logits.shape[0]
             or not row_ends.is_contiguous()
+            or not ready(_upcast_key(logits.device))
         ):
             return as_fp32_logits(logits, row_ends)
         return upcast_logits(logits, row_ends)
@@ -911,6 +993,7 @@ class KpoolStage:
             or seq_lens.ndim != 1
             or seq_lens.stride(0) != 1
             or seq_lens.dtype not in (torch.int32, torch.int64)
+            or not ready(_expand_key(pool_ids.shape[1], seq_lens, out.device))
         ):
             return expand_pools_and_append_tail(
                 pool_ids, seq_lens, pool_size, seq_offset=seq_offset, out=out
@@ -965,3 +1048,76 @@ def _update_takes(
             for t in ints
         )
     )
+
+
+def _remap_takes(pending, logical, req_ids, block_table, block_size, stride_rows):
+    """Whether ``expand_and_remap`` takes a deferred top-k's conversion."""
+    pool_ids, positions, _ = pending
+    groups, width = pool_ids.shape[1], logical.shape[1]
+    return (
+        block_size % POOL == 0
+        and block_table.dtype == torch.int32
+        and block_table.ndim == 2
+        and block_table.stride(1) == 1
+        and req_ids.dtype == torch.int32
+        and req_ids.ndim == 1
+        and req_ids.stride(0) == 1
+        and req_ids.shape[0] == logical.shape[0]
+        and positions.ndim == 1
+        and positions.stride(0) == 1
+        and positions.shape[0] >= pool_ids.shape[0]
+        and positions.dtype in (torch.int32, torch.int64)
+        and width % 4 == 0
+        and stock_compacts_in_order(width)
+        and ready(
+            _remap_key(
+                groups, width, block_size, stride_rows, positions, logical.device
+            )
+        )
+    )
+
+
+def _remap_layout(attn) -> tuple[int, int] | None:
+    """(block size, rows between blocks) of the MLA KV cache a DSA layer's
+    index group converts for, as ``flat_kv_row_view`` reads it; None if the
+    cache is not bound as a [blocks, block size, row] tensor."""
+    kv = getattr(getattr(attn.mla_attn, "mla_attn", None), "kv_cache", None)
+    if not isinstance(kv, torch.Tensor) or kv.ndim != 3 or kv.stride(0) % kv.shape[2]:
+        return None
+    return kv.shape[1], kv.stride(0) // kv.shape[2]
+
+
+def _warm_update(kv, tail, index_dtype, mx, round_scale) -> None:
+    device = kv.device
+    # One page and one tail block with the real caches' layouts.
+    page = torch.empty(kv.stride(0), dtype=torch.uint8, device=device)
+    page = page.as_strided((1, *kv.shape[1:]), kv.stride())
+    block = torch.empty(tail.stride(0), dtype=tail.dtype, device=device)
+    block = block.as_strided((1, *tail.shape[1:]), tail.stride())
+    row = torch.zeros(1, 1, DIM, dtype=torch.bfloat16, device=device)
+    padding = torch.full((1, 1), -1, dtype=index_dtype, device=device)
+    kpool_update(
+        page, block, padding, row, row, torch.zeros(POOL, DIM, device=device),
+        padding, padding.to(torch.int32), POOL, mx_scales=mx, round_scale=round_scale,
+    )  # fmt: skip
+
+
+def _warm_expand(groups, dtype, device) -> None:
+    ids = torch.full((1, groups), -1, dtype=torch.int32, device=device)
+    out = torch.empty(1, groups * POOL + POOL, dtype=torch.int32, device=device)
+    expand_pools(ids, torch.zeros(1, dtype=dtype, device=device), POOL, out=out)
+
+
+def _warm_remap(groups, width, block_size, stride_rows, dtype, device) -> None:
+    ids = torch.full((1, groups), -1, dtype=torch.int32, device=device)
+    ints = torch.zeros(2, dtype=torch.int32, device=device)
+    expand_and_remap(
+        ids, torch.zeros(1, dtype=dtype, device=device), POOL, ints[:1],
+        ints[:1].view(1, 1), torch.empty(1, width, dtype=torch.int32, device=device),
+        ints, block_size=block_size, stride_rows=stride_rows,
+    )  # fmt: skip
+
+
+def _warm_upcast(device) -> None:
+    logits = torch.zeros(1, 8, dtype=torch.bfloat16, device=device)
+    upcast_logits(logits, torch.zeros(1, dtype=torch.int32, device=device))
