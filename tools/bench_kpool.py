@@ -41,6 +41,8 @@ from vllm.models.glm5next.nvidia.specialized_decode import kpool  # noqa: E402
 DIM, POOL, GROUPS, WIDTH, BLOCK = 128, 4, 512, 2176, 64
 ROWS = (1, 8, 32, 64, 128, 256)
 L2_BYTES = 64 << 20
+SWEEP_SIZES = [(1, 65536), (8, 16384), (8, 65536), (8, 262144), (64, 16384),
+               (64, 65536), (256, 16384), (256, 262144)]  # fmt: skip
 
 
 def graph_time_us(fns, launches: int, replays: int) -> float:
@@ -220,7 +222,7 @@ def cases(gen, device):
 
 def upcast_sweep(args, device) -> None:
     """Times ``upcast_logits`` configurations, to pick its defaults."""
-    for rows, width in ((64, 65536), (256, 65536), (256, 262144)):
+    for rows, width in SWEEP_SIZES:
         sets = []
         for _ in range(max(1, min(8, L2_BYTES * 2 // (rows * width * 6)))):
             logits = torch.randn(rows, width, device=device).to(torch.bfloat16)
@@ -230,7 +232,7 @@ def upcast_sweep(args, device) -> None:
                               args.launches, args.replays)  # fmt: skip
         line = [f"upcast sweep {rows}x{width // 1024}K: stock {stock:.2f}"]
         for threads in (128, 256, 512):
-            for unroll in (1, 2, 4):
+            for unroll in (1, 2) if rows * width >= 1 << 24 else (1,):
                 for cap in (1024, 4096):
                     fns = [
                         lambda s=s, t=threads, u=unroll, c=cap: kpool.upcast_logits(

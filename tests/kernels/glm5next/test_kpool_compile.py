@@ -80,7 +80,11 @@ def cute_kernels():
     remap = [_fake(c.Int32, 4)] * 4 + [_fake(c.Int32, 16), _fake(c.Int32, 4)]
     yield "remap", k._RemapKernel(k.POOL, 512, 2176, 64, 64), [*remap, *[i32] * 6, st]
     upcast = [_fake(c.BFloat16, 16), _fake(c.Float32, 16), _fake(c.Int32, 4)]
-    yield "upcast", k._UpcastKernel(k.UPCAST_THREADS, True), [*upcast, *[i32] * 3, st]
+    yield (
+        "upcast",
+        k._UpcastKernel(k.UPCAST_THREADS[0], True),
+        [*upcast, *[i32] * 3, st],
+    )
 
 
 @pytest.fixture(scope="module", params=ARCHS)

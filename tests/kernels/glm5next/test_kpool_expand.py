@@ -18,26 +18,21 @@ POOL = 4
 def pool_ids_for(rows: int, groups: int, gen, rng) -> torch.Tensor:
     """Pool ids as a top-k leaves them: valid ones, -1 for rows shorter than
     the top-k, and (adversarially) ids whose int32 token ids wrap."""
-    ids = torch.randint(
-        0, rng.choice([64, 4096, 1 << 20]), (rows, groups), generator=gen
-    )
-    holes = torch.rand(rows, groups, generator=gen) < rng.choice([0.0, 0.1, 0.5, 1.0])
-    ids[holes] = -1
-    wraps = torch.rand(rows, groups, generator=gen) < 0.01
-    ids[wraps] = torch.randint(
-        1 << 29, (1 << 31) - 1, (int(wraps.sum()),), generator=gen
-    )
+    g = dict(generator=gen, device=gen.device)
+    ids = torch.randint(0, rng.choice([64, 4096, 1 << 20]), (rows, groups), **g)
+    holes = torch.rand(rows, groups, **g) < rng.choice([0.0, 0.1, 0.5, 1.0])
+    wraps = torch.rand(rows, groups, **g) < 0.01
+    huge = torch.randint(1 << 29, (1 << 31) - 1, (rows, groups), **g)
+    ids = torch.where(wraps, huge, torch.where(holes, -1, ids))
     return ids.to(torch.int32)
 
 
 def seq_lens_for(rows: int, gen) -> torch.Tensor:
     """Every residue mod 4, zero and negative (padding) lengths."""
-    lens = torch.randint(0, 300_000, (rows,), generator=gen)
-    special = torch.rand(rows, generator=gen)
-    lens[special < 0.1] = torch.randint(
-        -9, 5, (int((special < 0.1).sum()),), generator=gen
-    )
-    return lens.to(torch.int32)
+    g = dict(generator=gen, device=gen.device)
+    lens = torch.randint(0, 300_000, (rows,), **g)
+    short = torch.randint(-9, 5, (rows,), **g)
+    return torch.where(torch.rand(rows, **g) < 0.1, short, lens).to(torch.int32)
 
 
 def test_expand_pools_matches_stock():
@@ -52,22 +47,24 @@ def test_expand_pools_matches_stock():
     failures = []
     for i in range(cases):
         rng = random.Random(seed + i)
-        gen = torch.Generator().manual_seed(seed + i)
+        gen = torch.Generator(device).manual_seed(seed + i)
         rows = rng.choice([1, 2, 7, 8, 64, 128, 256, rng.randint(1, 256)])
         groups = rng.choice([1, 31, 32, 100, 512, 1024, rng.randint(1, 1024)])
         out_cols = groups * POOL + POOL - 1
         # A wider buffer with more rows: the expansion is a row slice of it.
         width = out_cols + rng.choice([0, 1, 5, 128])
         width += -width % 4
-        pool_ids = pool_ids_for(rows, groups, gen, rng).to(device)
+        pool_ids = pool_ids_for(rows, groups, gen, rng)
         if rng.random() < 0.3:  # a row slice of a wider top-k buffer
             wide = torch.full((rows, groups + 64), -7, dtype=torch.int32, device=device)
             wide[:, :groups] = pool_ids
             pool_ids = wide[:, :groups]
-        seq_lens = seq_lens_for(rows, gen).to(device)
+        seq_lens = seq_lens_for(rows, gen)
         seq_offset = rng.choice([0, 1])
-        poison = torch.randint(-(2**31), 2**31 - 1, (rows + 3, width), generator=gen)
-        stock_out = poison.to(torch.int32).to(device)
+        poison = torch.randint(
+            -(2**31), 2**31 - 1, (rows + 3, width), generator=gen, device=device
+        )
+        stock_out = poison.to(torch.int32)
         ours_out = stock_out.clone()
         expand_pools_and_append_tail(
             pool_ids, seq_lens, POOL, seq_offset=seq_offset, out=stock_out[:rows]

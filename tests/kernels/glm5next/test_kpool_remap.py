@@ -56,7 +56,8 @@ def test_expand_and_remap_matches_stock():
     failures = []
     for i in range(cases):
         rng = random.Random(seed + i)
-        gen = torch.Generator().manual_seed(seed + i)
+        gen = torch.Generator(device).manual_seed(seed + i)
+        g = dict(generator=gen, device=device)
         rows = rng.choice([1, 2, 8, 64, 255, 256, rng.randint(1, 256)])
         # Rows from `expanded` on (CUDA-graph padding) read as -1.
         expanded = rows if rng.random() < 0.7 else rng.randint(0, rows)
@@ -66,28 +67,22 @@ def test_expand_and_remap_matches_stock():
         requests = rng.randint(1, 64)
         max_blocks = rng.choice([1, 8, 100, 5000])
         block_table = torch.randint(
-            0, 10_000, (requests, max_blocks + rng.choice([0, 3])), generator=gen
+            0, 10_000, (requests, max_blocks + rng.choice([0, 3])), **g
         ).to(torch.int32)[:, :max_blocks]
-        req_ids = torch.randint(0, requests, (rows,), generator=gen).to(torch.int32)
+        req_ids = torch.randint(0, requests, (rows,), **g).to(torch.int32)
         pool_ids = pool_ids_for(expanded, groups, gen, rng)
         # Pools past the request's blocks are invalid: keep some in range.
         in_range = (max_blocks * block_size) // POOL
-        near = torch.rand(expanded, groups, generator=gen) < 0.5
-        pool_ids[near & (pool_ids >= 0)] %= max(in_range, 1)
-        positions = torch.randint(
-            -3, max_blocks * block_size + 64, (rows,), generator=gen
-        )
+        near = (torch.rand(expanded, groups, **g) < 0.5) & (pool_ids >= 0)
+        pool_ids = torch.where(near, pool_ids % max(in_range, 1), pool_ids)
+        positions = torch.randint(-3, max_blocks * block_size + 64, (rows,), **g)
         positions = positions.to(rng.choice([torch.int32, torch.int64]))
-
-        pool_ids, positions = pool_ids.to(device), positions.to(device)
-        req_ids, block_table = req_ids.to(device), block_table.to(device)
         stock_out, stock_counts = stock_chain(
             pool_ids, positions, req_ids, block_table, rows, width, block_size,
             stride_rows,
         )  # fmt: skip
-        poison = torch.randint(-(2**31), 2**31 - 1, (rows, width), generator=gen)
-        out = poison.to(torch.int32).to(device)
-        counts = torch.randint(-99, 99, (rows + 2,), dtype=torch.int32).to(device)
+        out = torch.randint(-(2**31), 2**31 - 1, (rows, width), **g).to(torch.int32)
+        counts = torch.randint(-99, 99, (rows + 2,), dtype=torch.int32, **g)
         expand_and_remap(
             pool_ids, positions, POOL, req_ids, block_table, out, counts,
             block_size=block_size, stride_rows=stride_rows,

@@ -26,10 +26,11 @@ MODES = ["normal", "huge", "tiny", "zeros", "ties", "sharp"]
 def _values(modes: list[str], shape, gen) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and scores of ``shape`` [requests, tokens, dim], request ``r``'s
     drawn as ``modes[r]`` says."""
-    key = torch.randn(shape, generator=gen)
-    score = torch.randn(shape, generator=gen)
-    mode = torch.tensor([MODES.index(m) for m in modes])[:, None, None]
-    scale = torch.tensor([1.0, 3e4, 1e-7, 0.0, 1.0, 1.0])[mode]
+    device = gen.device
+    key = torch.randn(shape, generator=gen, device=device)
+    score = torch.randn(shape, generator=gen, device=device)
+    mode = torch.tensor([MODES.index(m) for m in modes], device=device)[:, None, None]
+    scale = torch.tensor([1.0, 3e4, 1e-7, 0.0, 1.0, 1.0], device=device)[mode]
     key = key * scale
     score = torch.where(mode == MODES.index("sharp"), score * 60, score)
     ties = mode == MODES.index("ties")
@@ -44,7 +45,8 @@ def _strided(storage: torch.Tensor, shape, stride) -> torch.Tensor:
 
 def make_case(seed: int, device):
     rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
+    g = dict(generator=gen, device=device)
     requests = rng.choice([1, 2, 3, 8, 31, 64, 128, 255, 256, rng.randint(1, 256)])
     tokens = rng.randint(1, 4)
     ring, page, page_pad, tail_pad = rng.choice(LAYOUTS)
@@ -52,63 +54,57 @@ def make_case(seed: int, device):
     index_dtype = rng.choice([torch.int32, torch.int64])
 
     # Positions in order per request; padding rows and tokens are negative.
-    starts = torch.randint(0, 5000, (requests, 1), generator=gen)
-    positions = (starts + torch.arange(tokens)).to(torch.int32)
-    positions[torch.rand(requests, generator=gen) < 0.08] = -1
-    token_pad = torch.rand(requests, tokens, generator=gen) < 0.03
-    positions[token_pad] = -1 - torch.randint(
-        0, 3, (int(token_pad.sum()),), dtype=torch.int32
-    )
+    starts = torch.randint(0, 5000, (requests, 1), **g)
+    positions = (starts + torch.arange(tokens, device=device)).to(torch.int32)
+    positions[torch.rand(requests, **g) < 0.08] = -1
+    token_pad = torch.rand(requests, tokens, **g) < 0.03
+    pads = torch.randint(1, 4, (requests, tokens), dtype=torch.int32, **g)
+    positions = torch.where(token_pad, -pads, positions)
 
     # Block 0 of the tail cache is never any request's: a completion with tail
     # slot -1 reads it (as stock does), and nothing may race with that read.
-    tail_blocks = 1 + torch.randperm(requests + 3, generator=gen)[:requests]
+    tail_blocks = 1 + torch.randperm(requests + 3, **g)[:requests]
     tail_slots = tail_blocks[:, None] * ring + positions.clamp(min=0) % ring
     tail_slots[positions < 0] = -1
-    tail_slots[torch.rand(requests, tokens, generator=gen) < 0.05] = -1
+    tail_slots[torch.rand(requests, tokens, **g) < 0.05] = -1
 
     pages = (requests * tokens) // page + 2
-    free = torch.randperm(pages * page, generator=gen)
-    slots = torch.full((requests, tokens), -1, dtype=torch.int64)
+    free = torch.randperm(pages * page, **g)[: requests * tokens].view(requests, -1)
     completes = (positions >= 0) & (positions % POOL == POOL - 1)
-    writes = completes & (torch.rand(requests, tokens, generator=gen) < 0.9)
+    writes = completes & (torch.rand(requests, tokens, **g) < 0.9)
     # Slots on non-completing tokens must be ignored.
-    writes |= torch.rand(requests, tokens, generator=gen) < 0.05
-    slots[writes] = free[: int(writes.sum())]
+    writes |= torch.rand(requests, tokens, **g) < 0.05
+    slots = torch.where(writes, free, -1)
 
     modes = [rng.choice(MODES) for _ in range(requests)]
     key, score = _values(modes, (requests, tokens, DIM), gen)
-    ape = torch.randn(POOL, DIM, generator=gen) * rng.choice([0.0, 0.1, 1.0, 10.0])
+    ape = torch.randn(POOL, DIM, **g) * rng.choice([0.0, 0.1, 1.0, 10.0])
 
     page_bytes = page * (DIM + 4) + page_pad
-    cache = torch.randint(
-        0, 256, (pages * page_bytes,), dtype=torch.uint8, generator=gen
-    )
+    cache = torch.randint(0, 256, (pages * page_bytes,), dtype=torch.uint8, **g)
     tail_block = 2 * ring * DIM + tail_pad
-    tail = torch.randn((requests + 4) * tail_block, generator=gen)
-    ring_values = tail.view(requests + 4, -1)[:, : 2 * ring * DIM].view(
-        -1, 2, ring, DIM
-    )
+    tail = torch.randn((requests + 4) * tail_block, **g)
+    ring_values = tail.view(requests + 4, -1)[:, : 2 * ring * DIM]
+    ring_values = ring_values.view(-1, 2, ring, DIM)
     # The stashed pool members of "ties" requests tie with the current ones.
-    ties = torch.tensor([m == "ties" for m in modes])
+    ties = torch.tensor([m == "ties" for m in modes], device=device)
     ring_values[tail_blocks[ties], 0] = key[ties, :1]
     ring_values[tail_blocks[ties], 1] = score[ties, :1]
-    tail = tail.to(torch.bfloat16)
-    # Keys and scores may be views into wider per-request rows.
+    # Keys may be a view into wider per-request rows.
     spare = rng.choice([0, 1])
-    key_rows = torch.randn(requests, tokens + spare, DIM, generator=gen)
+    key_rows = torch.randn(requests, tokens + spare, DIM, **g)
     key_rows[:, :tokens] = key
     case = dict(
-        cache=cache.to(device),
+        cache=cache,
         cache_view=((pages, page, DIM + 4), (page_bytes, DIM + 4, 1)),
-        tail=tail.to(device),
+        tail=tail.to(torch.bfloat16),
         tail_view=((requests + 4, 2, ring, DIM), (tail_block, ring * DIM, DIM, 1)),
-        tail_slots=tail_slots.to(index_dtype).to(device),
-        key=key_rows.to(torch.bfloat16).to(device)[:, :tokens],
-        score=score.to(torch.bfloat16).to(device),
-        ape=ape.to(device),
-        slots=slots.to(index_dtype).to(device),
-        positions=positions.to(device),
+        tail_slots=tail_slots.to(index_dtype),
+        key=key_rows.to(torch.bfloat16)[:, :tokens],
+        score=score.to(torch.bfloat16),
+        ape=ape,
+        slots=slots.to(index_dtype),
+        positions=positions,
         mx=mx,
         round_scale=round_scale,
     )

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -226,10 +225,8 @@ def install(vllm_config, attentions) -> Any:
 
     max_rows = decode_capacity(vllm_config)
     device = attentions[0].indexer.topk_indices_buffer.device
-    # A deferred top-k reaches only groups whose layer converts through them.
-    bypassed = [_bypasses_group(attn.mla_attn.mla_attn.impl) for attn in attentions]
-    stage = KpoolStage([] if any(bypassed) else attentions, max_rows, device)
-    why_not = stage.why_not_fused if stage.why_not_fused else bypassed
+    stage = KpoolStage(attentions, max_rows, device)
+    why_not = stage.why_not_fused
     _plan = _Plan(max_rows=max_rows, layer=str(attentions[0].indexer.k_cache.prefix))
     sparse_indexer.SPECIALIZED_KPOOL = stage
     warmed_up = _register_warmup(_KpoolWarmup(stage, attentions, _plan))
@@ -249,23 +246,6 @@ def install(vllm_config, attentions) -> Any:
         layers,
     )
     return stage
-
-
-def _bypasses_group(impl) -> str | None:
-    """Why a deferred top-k would not reach ``impl``'s index group: a backend
-    whose decode steps convert the logical top-k rows themselves (vLLM
-    0.33.0's FlashInfer SM90 one), or None."""
-    from vllm.model_executor.layers.attention.sparse_mla_attention import (
-        SparseMLACommonImpl,
-    )
-    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
-
-    # Decode-only steps of these convert through the group (FlashMLA's FP8
-    # path without counts, which FusedRemap leaves to stock).
-    converts = (SparseMLACommonImpl.forward_mqa, FlashMLASparseImpl.forward_mqa)
-    if getattr(type(impl), "forward_mqa", None) in converts:
-        return None
-    return f"{type(impl).__name__} reads the logical top-k rows"
 
 
 class _KpoolWarmup:

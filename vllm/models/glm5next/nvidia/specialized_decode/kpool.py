@@ -65,9 +65,11 @@ POOL = 4  # the kpool size the kernels take
 FP8_MAX = 448.0
 INV_SQRT_DIM = 0.08838834764831845  # 1/sqrt(128), exact in FP32
 EXPAND_THREADS = 128
-# Measured on the H200 (tools/bench_kpool.py --upcast-sweep): 512 threads,
-# up to 4096 CTAs and one chunk a step beat fewer CTAs and unrolled loads.
-UPCAST_THREADS = 512
+# Measured on the H200 (tools/bench_kpool.py --upcast-sweep): up to 4096 CTAs
+# of one chunk a step beat fewer CTAs and unrolled loads; 128-thread CTAs win
+# below 4M logits (short rows finish sooner), 512-thread ones above.
+UPCAST_THREADS = (128, 512)
+UPCAST_LARGE = 1 << 22
 UPCAST_CTAS = 4096
 UPCAST_UNROLL = 1
 # Most pools one FusedRemap CTA maps: one thread per pool.
@@ -719,7 +721,7 @@ class _UpcastKernel:
 def upcast_logits(
     logits: torch.Tensor,
     row_ends: torch.Tensor,
-    threads: int = UPCAST_THREADS,
+    threads: int | None = None,
     pdl: bool = True,
     cap: int = UPCAST_CTAS,
     *,
@@ -728,7 +730,8 @@ def upcast_logits(
 ) -> torch.Tensor:
     """``as_fp32_logits`` for BF16 logits whose row stride is 16-byte aligned;
     ``out`` (default: a new tensor with the strides of ``logits``) receives the
-    columns below each row end, the rest untouched."""
+    columns below each row end, the rest untouched. ``threads`` per CTA
+    defaults by size (``UPCAST_THREADS``)."""
     if out is None:
         out = torch.empty_strided(
             logits.shape, logits.stride(), dtype=torch.float32, device=logits.device
@@ -755,6 +758,7 @@ def upcast_logits(
     )  # fmt: skip
     ends = row_ends.reshape(-1)
     _check(ends.stride(0) == 1, "row_ends", "contiguous", row_ends.stride())
+    threads = threads or _upcast_threads(rows, width)
     chunk = threads * 8
     splits = min((width + chunk - 1) // chunk, max(1, cap // rows))
     args = [
@@ -766,7 +770,11 @@ def upcast_logits(
     return out
 
 
-def _upcast_key(device, threads=UPCAST_THREADS, pdl=True, unroll=UPCAST_UNROLL):
+def _upcast_threads(rows: int, width: int) -> int:
+    return UPCAST_THREADS[rows * width >= UPCAST_LARGE]
+
+
+def _upcast_key(device, threads, pdl=True, unroll=UPCAST_UNROLL):
     return ("upcast", (threads, pdl, unroll), device.index)
 
 
@@ -878,6 +886,10 @@ class KpoolStage:
                 "does not convert prefill rows",
             ),
             (getattr(impl, "dcp_world_size", 1) == 1, "decode context parallel"),
+            (
+                _converts_through_group(impl),
+                f"{type(impl).__name__} reads the logical top-k rows",
+            ),
         )
         return next((why for ok, why in requirements if not ok), None)
 
@@ -974,7 +986,7 @@ class KpoolStage:
             or row_ends.dtype != torch.int32
             or row_ends.numel() != logits.shape[0]
             or not row_ends.is_contiguous()
-            or not ready(_upcast_key(logits.device))
+            or not ready(_upcast_key(logits.device, _upcast_threads(*logits.shape)))
         ):
             return as_fp32_logits(logits, row_ends)
         return upcast_logits(logits, row_ends)
@@ -1120,4 +1132,19 @@ def _warm_remap(groups, width, block_size, stride_rows, dtype, device) -> None:
 
 def _warm_upcast(device) -> None:
     logits = torch.zeros(1, 8, dtype=torch.bfloat16, device=device)
-    upcast_logits(logits, torch.zeros(1, dtype=torch.int32, device=device))
+    for threads in UPCAST_THREADS:
+        ends = torch.zeros(1, dtype=torch.int32, device=device)
+        upcast_logits(logits, ends, threads)
+
+
+def _converts_through_group(impl) -> bool:
+    """Whether ``impl``'s decode steps convert the top-k through its index
+    group (where a deferred top-k is expanded). vLLM 0.33.0's FlashInfer SM90
+    backend converts the logical rows itself, which a deferral leaves unset."""
+    from vllm.model_executor.layers.attention.sparse_mla_attention import (
+        SparseMLACommonImpl,
+    )
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
+
+    converts = (SparseMLACommonImpl.forward_mqa, FlashMLASparseImpl.forward_mqa)
+    return getattr(type(impl), "forward_mqa", None) in converts
