@@ -32,11 +32,10 @@ if os.environ.get("KPOOL_KERNEL_ONLY") == "1":
 
 from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits  # noqa: E402
 from vllm.models.glm5next.nvidia.ops import kpool_compress  # noqa: E402
+from vllm.models.glm5next.nvidia.specialized_decode import kpool  # noqa: E402
 from vllm.v1.attention.backends.mla.sparse_utils import (  # noqa: E402
     triton_convert_req_index_to_global_index,
 )
-
-from vllm.models.glm5next.nvidia.specialized_decode import kpool  # noqa: E402
 
 DIM, POOL, GROUPS, WIDTH, BLOCK = 128, 4, 512, 2176, 64
 ROWS = (1, 8, 32, 64, 128, 256)

@@ -47,16 +47,11 @@ def main() -> None:
             points.sort()
             xs = [p[0] for p in points]
             tag = f" ({series} tok)" if series else ""
-            ax.plot(
-                xs, [p[1] for p in points], "o--", color="tab:gray", label="stock" + tag
-            )
-            ax.plot(
-                xs,
-                [p[2] for p in points],
-                "o-",
-                color="tab:green",
-                label="specialized" + tag,
-            )
+            mark = "s" if series == "4" else "o"
+            stock = [p[1] for p in points]
+            ours = [p[2] for p in points]
+            ax.plot(xs, stock, mark + "--", color="tab:gray", label="stock" + tag)
+            ax.plot(xs, ours, mark + "-", color="tab:green", label="specialized" + tag)
         ax.set_xscale("log", base=2)
         ax.set_title(kernel)
         ax.set_xlabel("rows (requests)")

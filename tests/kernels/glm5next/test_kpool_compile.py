@@ -97,6 +97,7 @@ def stock_update_ptx(arch: str, mx: bool, round_scale: bool) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
     from vllm.models.glm5next.nvidia.ops import kpool_compress
 
     fn = kpool_compress._kpool_decode_update_batched_kernel

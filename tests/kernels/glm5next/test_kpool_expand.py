@@ -39,7 +39,6 @@ def test_expand_pools_matches_stock():
     from vllm.models.glm5next.nvidia.ops.kpool_compress import (
         expand_pools_and_append_tail,
     )
-
     from vllm.models.glm5next.nvidia.specialized_decode.kpool import expand_pools
 
     seed, cases = fuzz_seed(), fuzz_cases(1000)

@@ -14,7 +14,6 @@ pytestmark = [pytest.mark.gpu, needs_cuda()]
 
 def test_upcast_logits_matches_stock():
     from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits
-
     from vllm.models.glm5next.nvidia.specialized_decode.kpool import upcast_logits
 
     seed, cases = fuzz_seed(), fuzz_cases(1000)

@@ -17,7 +17,6 @@ def test_no_compile_after_warmup(monkeypatch):
     from vllm.models.glm5next.nvidia.ops.kpool_compress import (
         expand_pools_and_append_tail,
     )
-
     from vllm.models.glm5next.nvidia.specialized_decode import kpool
 
     monkeypatch.setattr(kpool, "_compiled", {})

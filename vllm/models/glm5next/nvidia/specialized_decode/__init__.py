@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)

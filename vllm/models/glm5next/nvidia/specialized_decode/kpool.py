@@ -25,6 +25,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
+
 from vllm.forward_context import in_piecewise_cudagraph
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits
@@ -32,10 +33,6 @@ from vllm.models.glm5next.nvidia.ops.kpool_compress import (
     expand_pools_and_append_tail,
     kpool_decode_update_and_maybe_write_cache_batched,
 )
-from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
-from vllm.utils.torch_utils import current_stream
-from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
-
 from vllm.models.glm5next.nvidia.specialized_decode import planned
 from vllm.models.glm5next.nvidia.specialized_decode.cute_ops import (
     add,
@@ -57,6 +54,9 @@ from vllm.models.glm5next.nvidia.specialized_decode.cute_ops import (
     trunc_div,
     unpack_bf16,
 )
+from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
+from vllm.utils.torch_utils import current_stream
+from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
 logger = init_logger(__name__)
 
