@@ -9,7 +9,8 @@
 #   tools/kernel_env/sanitize.sh [pytest -k expression]
 #
 # KPOOL_FUZZ_CASES (default 16) sets the cases per fuzz loop: the sanitizer
-# slows every launch. Prints one summary line per tool; logs go to $OUT (or
+# slows every launch. KPOOL_SANITIZE_TOOLS picks tools, KPOOL_SANITIZE_TIMEOUT
+# (seconds, default 150) bounds each. Prints one summary line per tool; logs go to $OUT (or
 # /tmp). Exits non-zero if any tool reported an error or a test failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,7 +21,7 @@ export KPOOL_FUZZ_CASES=${KPOOL_FUZZ_CASES:-16}
 logs=${OUT:-/tmp}
 select=${1:-not graph}
 status=0
-for tool in memcheck racecheck initcheck synccheck; do
+for tool in ${KPOOL_SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
   log="$logs/sanitize-$tool.log"
   # API errors are off: cuda-python probes driver entry points that do not
   # exist (cuGetProcAddress), which is not a kernel's memory error.
