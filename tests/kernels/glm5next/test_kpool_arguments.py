@@ -49,6 +49,12 @@ def test_kpool_update_names_bad_argument(argument):
         kpool.kpool_update(**args)
 
 
+def test_kpool_update_names_misaligned_argument():
+    key = torch.zeros(2 * 2 * DIM + 1, dtype=torch.bfloat16)[1:].view(2, 2, DIM)
+    with pytest.raises(ValueError, match=r"^key: expected a 8-byte aligned"):
+        kpool.kpool_update(**update_args() | dict(key=key))
+
+
 def test_kpool_update_empty_batch_launches_nothing():
     args = update_args(requests=0)
     kpool.kpool_update(**args)  # would fail to launch on the CPU

@@ -243,12 +243,15 @@ class _NoSyncDLPack:
         return self.tensor.__dlpack_device__()
 
 
-def to_cute(tensor: torch.Tensor, align: int):
+def to_cute(tensor: torch.Tensor, align: int, name: str = "tensor"):
     """A 1-D (flat) CuTe view of ``tensor`` whose length is a runtime value,
-    so one compiled kernel serves every batch size."""
-    assert tensor.data_ptr() % align == 0, (
-        f"expected a {align}-byte aligned tensor, got address {tensor.data_ptr():#x}"
-    )
+    so one compiled kernel serves every batch size. ``name`` is the argument
+    a misaligned ``tensor`` is reported as."""
+    if tensor.data_ptr() % align:
+        raise ValueError(
+            f"{name}: expected a {align}-byte aligned tensor, "
+            f"got address {tensor.data_ptr():#x}"
+        )
     view = from_dlpack(_NoSyncDLPack(tensor.detach()), assumed_align=align)
     return view.mark_layout_dynamic(leading_dim=0)
 

@@ -347,11 +347,13 @@ def kpool_update(
         kv_cache, tail_kv_cache, tail_slot_mapping, slot_mapping, positions,
         mx_scales, round_scale,
     )  # fmt: skip
-    tensors = (
-        (kv_cache, 4), (tail_kv_cache, 8), (tail_slot_mapping, 4), (key, 8),
-        (slot_score, 8), (ape, 16), (slot_mapping, 4), (positions, 4),
+    tensors = dict(
+        kv_cache=(kv_cache, 4), tail_kv_cache=(tail_kv_cache, 8),
+        tail_slot_mapping=(tail_slot_mapping, 4), key=(key, 8),
+        slot_score=(slot_score, 8), ape=(ape, 16), slot_mapping=(slot_mapping, 4),
+        positions=(positions, 4),
     )  # fmt: skip
-    args = [to_cute(flat(t), align) for t, align in tensors]
+    args = [to_cute(flat(t), align, name) for name, (t, align) in tensors.items()]
     scalars = (
         Int32(requests), Int32(tokens), Int32(key.stride(0)), Int32(key.stride(1)),
         Int32(slot_score.stride(0)), Int32(slot_score.stride(1)),
@@ -457,8 +459,9 @@ def expand_pools(
     )  # fmt: skip
     if rows:
         args = [
-            to_cute(flat(pool_ids), 4), to_cute(flat(seq_lens[:rows]), 4),
-            to_cute(flat(out[:rows, :out_cols]), 16),
+            to_cute(flat(pool_ids), 4, "pool_ids"),
+            to_cute(flat(seq_lens[:rows]), 4, "seq_lens"),
+            to_cute(flat(out[:rows, :out_cols]), 16, "out"),
             Int32(rows), Int32(pool_ids.stride(0)), Int32(out.stride(0)),
             Int32(seq_offset), stream(out.device),
         ]  # fmt: skip
@@ -651,9 +654,9 @@ def expand_and_remap(
     ids = pool_ids if expanded else out
     pos = positions if positions.numel() else counts
     args = [
-        to_cute(flat(ids), 4), to_cute(flat(pos), 4), to_cute(req_ids, 4),
-        to_cute(flat(block_table), 4), to_cute(flat(out), 16),
-        to_cute(counts[:rows], 4),
+        to_cute(flat(ids), 4, "pool_ids"), to_cute(flat(pos), 4, "positions"),
+        to_cute(req_ids, 4, "req_ids"), to_cute(flat(block_table), 4, "block_table"),
+        to_cute(flat(out), 16, "out"), to_cute(counts[:rows], 4, "counts"),
         Int32(rows), Int32(expanded), Int32(ids.stride(0)),
         Int32(block_table.stride(0)), Int32(block_table.shape[1]),
         Int32(seq_offset), stream(out.device),
@@ -762,7 +765,8 @@ def upcast_logits(
     chunk = threads * 8
     splits = min((width + chunk - 1) // chunk, max(1, cap // rows))
     args = [
-        to_cute(flat(logits), 16), to_cute(flat(out), 16), to_cute(ends, 4),
+        to_cute(flat(logits), 16, "logits"), to_cute(flat(out), 16, "out"),
+        to_cute(ends, 4, "row_ends"),
         Int32(rows), Int32(splits), Int32(logits.stride(0)), stream(logits.device),
     ]  # fmt: skip
     key = _upcast_key(logits.device, threads, pdl, unroll)
