@@ -16,6 +16,9 @@ This module imports nothing of vLLM but its logger at import time (the
 kernel-only environment loads it); vLLM is imported inside the functions.
 """
 
+import os
+import secrets
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +33,14 @@ BACKEND = "latency_specialized"
 STAGES = ("dsa_kpool",)
 # The additional_config key listing the stages a deployment leaves out.
 SKIP_KEY = "specialized_decode_skip"
+# The additional_config key of the warmup self-check: "on" (default: a
+# mismatch keeps the stage off), "off" (skipped) or "strict" (a mismatch
+# raises). The environment variable, when set, overrides it; a second one
+# replays a logged seed.
+SELF_CHECK_KEY = "specialized_decode_self_check"
+SELF_CHECK_ENV = "VLLM_GLM5NEXT_KPOOL_SELF_CHECK"
+SELF_CHECK_SEED_ENV = "VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED"
+SELF_CHECK_MODES = ("on", "off", "strict")
 
 ARCHITECTURES = ("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration")
 INDEX_KPOOL = 4
@@ -42,6 +53,8 @@ POSITIONS_DTYPE = torch.int64
 class DecodeConfig:
     # The stages this deployment runs, in STAGES order.
     stages: tuple[str, ...]
+    # The warmup self-check: "on", "off" or "strict" (SELF_CHECK_KEY).
+    self_check: str = "on"
 
 
 @dataclass
@@ -53,6 +66,10 @@ class _Plan:
     # A DSA layer's indexer cache of the model the stage is installed on: its
     # metadata tells that model's forward passes from the MTP draft's.
     layer: str
+    # Layers whose metadata does not describe the step: the storage-only tail
+    # caches split with threshold 1 (KpoolTailMetadataBuilder), so a
+    # speculative decode step reads as prefills there.
+    ignored: frozenset[str] = frozenset()
     # Set once the stage's kernels are compiled (JIT warmup).
     warmed: bool = False
     # ``planned()`` of the last forward context (a weak reference to it).
@@ -83,6 +100,12 @@ def specialized_decode_config(vllm_config) -> DecodeConfig | None:
             f"got {skip!r}"
         )
     stages = tuple(name for name in STAGES if name not in skip)
+    self_check = os.environ.get(SELF_CHECK_ENV) or extra.get(SELF_CHECK_KEY, "on")
+    if self_check not in SELF_CHECK_MODES:
+        raise ValueError(
+            f"{SELF_CHECK_KEY} (or {SELF_CHECK_ENV}) takes one of "
+            f"{list(SELF_CHECK_MODES)}, got {self_check!r}"
+        )
     if stages:
         missing = unsupported(vllm_config)
         if missing:
@@ -90,7 +113,7 @@ def specialized_decode_config(vllm_config) -> DecodeConfig | None:
                 f"decode_backend={BACKEND} needs {'; '.join(missing)}. "
                 f"Leave the stages out with {SKIP_KEY}={list(stages)}."
             )
-    return DecodeConfig(stages=stages)
+    return DecodeConfig(stages=stages, self_check=self_check)
 
 
 def unsupported(vllm_config) -> list[str]:
@@ -192,7 +215,8 @@ def _plans(context, plan: _Plan) -> bool:
     if not isinstance(metadata, dict) or plan.layer not in metadata:
         return False
     decodes = False
-    for layer_metadata in {id(m): m for m in metadata.values()}.values():
+    described = (m for name, m in metadata.items() if name not in plan.ignored)
+    for layer_metadata in {id(m): m for m in described}.values():
         prefills = getattr(layer_metadata, "num_prefills", None)
         if prefills is None:
             continue  # no prefill/decode split (e.g. a storage-only cache)
@@ -227,26 +251,31 @@ def install(vllm_config, attentions) -> Any:
     max_rows = decode_capacity(vllm_config)
     device = attentions[0].indexer.topk_indices_buffer.device
     stage = KpoolStage(attentions, max_rows, device)
-    why_not = stage.why_not_fused
-    _plan = _Plan(max_rows=max_rows, layer=str(attentions[0].indexer.k_cache.prefix))
+    _plan = plan_for(attentions, max_rows)
     sparse_indexer.SPECIALIZED_KPOOL = stage
-    warmed_up = _register_warmup(_KpoolWarmup(stage, attentions, _plan))
-    # Groups fuse all or none: a qualifying one waits for the others.
-    layers = "; ".join(
-        str(attn.indexer.k_cache.prefix).removesuffix(".indexer.k_cache")
-        + (": fused" if stage.fuse else f": not fused ({why or 'another is not'})")
-        for attn, why in zip(attentions, why_not, strict=True)
-    )
+    warmup = _KpoolWarmup(stage, attentions, _plan, config.self_check)
+    warmed_up = _register_warmup(warmup)
     (logger.info if warmed_up else logger.warning)(
         "GLM-5-Next specialized decode: dsa_kpool %s, for decode-only steps of "
-        "up to %d rows; DSA layers: %s.",
+        "up to %d rows; attention backend %s; DSA layers: %s.",
         "on, compiled at JIT warmup"
         if warmed_up
         else "off: no JIT warmup registry compiles its kernels",
         max_rows,
-        layers,
+        type(attentions[0].mla_attn.mla_attn.impl).__name__,
+        "; ".join(stage.engagement(attentions)),
     )
     return stage
+
+
+def plan_for(attentions, max_rows: int) -> _Plan:
+    """The plan of a stage on ``attentions`` (not yet warmed up)."""
+    tails = (getattr(attn.indexer, "tail_cache", None) for attn in attentions)
+    return _Plan(
+        max_rows=max_rows,
+        layer=str(attentions[0].indexer.k_cache.prefix),
+        ignored=frozenset(str(t.prefix) for t in tails if t is not None),
+    )
 
 
 class _KpoolWarmup:
@@ -254,8 +283,9 @@ class _KpoolWarmup:
     protocol: ``get_warmup_keys`` and ``compile_many``). Runs after the KV
     caches are bound, before CUDA graph capture."""
 
-    def __init__(self, stage, attentions, plan: _Plan):
+    def __init__(self, stage, attentions, plan: _Plan, self_check: str = "on"):
         self.stage, self.attentions, self.plan = stage, list(attentions), plan
+        self.self_check = self_check
 
     def get_warmup_keys(self) -> list[tuple[str, int]]:
         return [("dsa_kpool", self.plan.max_rows)]
@@ -265,15 +295,41 @@ class _KpoolWarmup:
             self.compile(key)
 
     def compile(self, key) -> None:
-        from vllm.models.glm5next.nvidia.specialized_decode import kpool
+        # Compiles on fakes; any later compile raises (launch.warming_up).
+        keys = self.stage.warmup(self.attentions, positions_dtype=POSITIONS_DTYPE)
+        self.plan.warmed = self.self_check == "off" or self.check(keys)
 
-        _, max_rows = key
-        self.stage.warmup(
-            self.attentions, max_rows=max_rows, positions_dtype=POSITIONS_DTYPE
+    def check(self, keys) -> bool:
+        """The warmup self-check (``self_check.py``) on this GPU: True when
+        every compiled kernel gave stock's bytes. Else one error line (the
+        kernel, the case, the seed to replay it) and the stage stays off, or,
+        "strict", a RuntimeError."""
+        from vllm.models.glm5next.nvidia.specialized_decode import self_check
+
+        seed = int(os.environ.get(SELF_CHECK_SEED_ENV) or secrets.randbits(31))
+        started = time.perf_counter()
+        device = self.stage.pool_buffer.device
+        problem = self_check.check(keys, seed, device)
+        elapsed = time.perf_counter() - started
+        if problem is None:
+            logger.info(
+                "GLM-5-Next specialized decode: self-check passed: %d kernel "
+                "variants x %d cases, seed %d, %.2f s.",
+                len(keys),
+                self_check.CASES,
+                seed,
+                elapsed,
+            )
+            return True
+        message = (
+            f"GLM-5-Next specialized decode: self-check failed, {problem}; "
+            f"dsa_kpool stays off and the decode runs stock (replay with "
+            f"{SELF_CHECK_SEED_ENV}={seed})."
         )
-        # Any later compile is a bug: it would run in a step or a capture.
-        kpool.freeze()
-        self.plan.warmed = True
+        if self.self_check == "strict":
+            raise RuntimeError(message)
+        logger.error(message)
+        return False
 
 
 def _register_warmup(warmup: _KpoolWarmup) -> bool:

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Inline-PTX, memory and host helpers shared by the kpool decode kernels.
+"""Device helpers of the kpool decode kernels: inline PTX and memory access.
 
 Bit exactness with the stock Triton kernels depends on issuing the same PTX
 arithmetic, so every operation whose rounding matters is spelled out here as
@@ -10,11 +10,8 @@ re-associate it.
 
 import functools
 
-import cuda.bindings.driver as cuda
-import torch
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.runtime import from_dlpack
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 # Triton's `tl.exp` multiplies by log2(e) rounded to FP32 (0x3FB8AA3B).
@@ -213,59 +210,17 @@ def ceil(value):
 # --- Integer arithmetic as Triton emits it --------------------------------
 
 
-def trunc_div(value, divisor: int):
+def trunc_div(value, divisor: int, width: type = Int32):
     """``value // divisor`` rounded toward zero, as Triton (C) divides signed
-    integers; the DSL's ``//`` floors. ``divisor`` is a power of two."""
+    integers; the DSL's ``//`` floors. ``divisor`` is a power of two and
+    ``width`` (Int32 or Int64) the type of the division."""
     assert divisor > 0 and divisor & (divisor - 1) == 0, divisor
     shift = divisor.bit_length() - 1
-    value = Int32(value)
+    value = width(value)
     if shift == 0:
         return value
+    bits = 64 if width is Int64 else 32
+    unsigned = Uint64 if width is Int64 else Uint32
     # Bias negative values by divisor - 1 so the arithmetic shift truncates.
-    bias = Int32(Uint32(value >> 31) >> (32 - shift))
+    bias = width(unsigned(value >> (bits - 1)) >> (bits - shift))
     return (value + bias) >> shift
-
-
-# --- Host -----------------------------------------------------------------
-
-
-class _NoSyncDLPack:
-    """A DLPack view that asks torch for no stream synchronization, so taking
-    it inside a CUDA graph capture records nothing."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def __dlpack__(self, stream=None):
-        return self.tensor.__dlpack__(stream=-1)
-
-    def __dlpack_device__(self):
-        return self.tensor.__dlpack_device__()
-
-
-def to_cute(tensor: torch.Tensor, align: int, name: str = "tensor"):
-    """A 1-D (flat) CuTe view of ``tensor`` whose length is a runtime value,
-    so one compiled kernel serves every batch size. ``name`` is the argument
-    a misaligned ``tensor`` is reported as."""
-    if tensor.data_ptr() % align:
-        raise ValueError(
-            f"{name}: expected a {align}-byte aligned tensor, "
-            f"got address {tensor.data_ptr():#x}"
-        )
-    view = from_dlpack(_NoSyncDLPack(tensor.detach()), assumed_align=align)
-    return view.mark_layout_dynamic(leading_dim=0)
-
-
-def flat(tensor: torch.Tensor) -> torch.Tensor:
-    """The storage span of ``tensor`` as a 1-D view starting at its first
-    element; the kernels index it with the tensor's own strides."""
-    if tensor.numel() == 0:
-        return tensor.as_strided((0,), (1,))
-    span = 1 + sum(
-        (n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True)
-    )
-    return tensor.as_strided((span,), (1,))
-
-
-def stream(device: torch.device) -> cuda.CUstream:
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)

@@ -1,0 +1,384 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``expand_pools_and_append_tail`` and the sparse MLA index remap
+(``triton_convert_req_index_to_global_index``) in one CuTe DSL kernel, with
+counts (the compacted rows) or without (in place), one CTA per query row."""
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32, Int64, Uint32
+from cutlass.cute.runtime import make_fake_tensor
+
+from vllm.models.glm5next.nvidia.specialized_decode.launch import (
+    KpoolJitKernel,
+    layout,
+    mismatch,
+)
+from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
+    store_words,
+    trunc_div,
+)
+
+POOL = 4
+# Most pools one CTA maps: one thread per pool.
+MAX_GROUPS = 1024
+# The stock conversion's column tile: its rows are whole tiles.
+STOCK_TILE = 128
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+_POSITION_DTYPES = {torch.int32: Int32, torch.int64: Int64}
+
+
+def stock_compacts_in_order(width: int) -> bool:
+    """Whether the stock conversion of ``width``-wide rows with counts keeps
+    the column order (one program owns each row, ``_remap_tiling``); wider
+    rows compact through racing atomics, which no kernel can match."""
+    padded = 1 << max(width - 1, 0).bit_length()
+    return padded == width or padded <= 4096
+
+
+def remap_shape_unmet(
+    groups: int, width: int, pool_size: int, counts: bool
+) -> str | None:
+    """The first requirement of ``expand_and_remap`` that ``groups`` pools
+    in rows of ``width`` columns miss; None when the kernel takes them."""
+    if pool_size != POOL:
+        return mismatch("pool_size", str(POOL), pool_size)
+    if groups % 32 or not 32 <= groups <= MAX_GROUPS:
+        return mismatch(
+            "pool_ids", f"a multiple of 32 pools, at most {MAX_GROUPS}", groups
+        )
+    if width < groups * POOL + POOL - 1 or width % STOCK_TILE:
+        return mismatch(
+            "out",
+            f"a width of at least {groups * POOL + POOL - 1} "
+            f"columns, a multiple of {STOCK_TILE}",
+            width,
+        )
+    if counts and not stock_compacts_in_order(width):
+        return mismatch(
+            "out",
+            "a width the stock conversion with counts compacts "
+            "in column order (at most 4096)",
+            width,
+        )
+    return None
+
+
+def remap_unmet(
+    pool_ids: torch.Tensor,
+    positions: torch.Tensor,
+    pool_size: int,
+    req_ids: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    counts: torch.Tensor | None,
+    block_size: int,
+    seq_offset: int,
+) -> str | None:
+    """The first requirement of ``expand_and_remap`` these arguments miss,
+    as "argument: expected X, got Y"; None when the kernel takes them."""
+    if pool_ids.dtype != torch.int32 or pool_ids.ndim != 2 or pool_ids.stride(1) != 1:
+        return mismatch(
+            "pool_ids", "int32 [rows, pools], unit column stride", layout(pool_ids)
+        )
+    if req_ids.dtype != torch.int32 or req_ids.ndim != 1 or req_ids.stride(0) != 1:
+        return mismatch("req_ids", "int32 [rows], unit stride", layout(req_ids))
+    rows = req_ids.shape[0]
+    if (
+        out.dtype != torch.int32
+        or out.ndim != 2
+        or out.shape[0] != rows
+        or not out.is_contiguous()
+        or out.data_ptr() % 16
+    ):
+        return mismatch(
+            "out", f"a contiguous 16-byte aligned int32 [{rows}, width]", layout(out)
+        )
+    shape = remap_shape_unmet(
+        pool_ids.shape[1], out.shape[1], pool_size, counts is not None
+    )
+    if shape is not None:
+        return shape
+    if block_size % POOL or block_size <= 0:
+        return mismatch("block_size", "a positive multiple of 4", block_size)
+    if counts is not None and (
+        counts.dtype != torch.int32
+        or counts.ndim != 1
+        or counts.shape[0] < rows
+        or counts.stride(0) != 1
+    ):
+        return mismatch("counts", f"int32 [>={rows}], unit stride", layout(counts))
+    if (
+        block_table.dtype != torch.int32
+        or block_table.ndim != 2
+        or block_table.stride(1) != 1
+    ):
+        return mismatch(
+            "block_table",
+            "int32 [requests, blocks], unit column stride",
+            layout(block_table),
+        )
+    if pool_ids.shape[0] > rows:
+        return mismatch("pool_ids", f"at most {rows} rows", pool_ids.shape[0])
+    if (
+        positions.dtype not in _POSITION_DTYPES
+        or positions.ndim != 1
+        or positions.shape[0] < pool_ids.shape[0]
+        or positions.stride(0) != 1
+    ):
+        return mismatch(
+            "positions",
+            f"int32/int64 [>={pool_ids.shape[0]}], unit stride",
+            layout(positions),
+        )
+    if not INT32_MIN <= seq_offset <= INT32_MAX:
+        return mismatch("seq_offset", "an int32", seq_offset)
+    return None
+
+
+class _RemapKernel:
+    """CTA ``row`` converts query row ``row``; thread ``g`` maps pool
+    ``pool_ids[row, g]``. The four tokens of a pool share one KV block, so the
+    pool is valid or invalid as a whole: one 16-byte store of slots, at its
+    own columns (no counts) or at a compacted offset, a multiple of 4, in the
+    stock compaction's column order (history pools by rank, the trailing
+    incomplete pool, then -1). Rows from ``pool_ids.shape[0]`` on (graph
+    padding, -1 in the stock logical rows) hold no indices."""
+
+    def __init__(self, key: "ExpandRemapKernel.CompileKey"):
+        assert key.groups % 32 == 0 and key.block_size % POOL == 0
+        self.groups, self.width = key.groups, key.width
+        self.block_size, self.stride_rows = key.block_size, key.stride_rows
+        self.counts, self.warps = key.counts, key.groups // 32
+        # The tail is computed in the dtype of positions, as stock's expansion.
+        self.wide = Int64 if key.positions_dtype == torch.int64 else Int32
+
+    @cute.jit
+    def __call__(
+        self,
+        pool_ids: cute.Tensor,
+        positions: cute.Tensor,
+        req_ids: cute.Tensor,
+        block_table: cute.Tensor,
+        out: cute.Tensor,
+        counts: cute.Tensor | None,
+        seq_offset: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(
+            pool_ids, positions, req_ids, block_table, out, counts, seq_offset
+        ).launch(
+            grid=(req_ids.shape[0], 1, 1),
+            block=(self.groups, 1, 1),
+            stream=stream,
+            use_pdl=True,
+        )
+
+    @cute.jit
+    def slot(self, block_table, req, token, max_blocks):
+        """(1 if valid else 0, physical row) of logical token ``token``, as
+        stock maps it: -1 and blocks past the table are invalid."""
+        valid = Int32(0)
+        value = Int32(0)
+        if token >= 0:
+            block = token // self.block_size
+            if block < max_blocks:
+                valid = Int32(1)
+                value = block_table[req, block] * self.stride_rows + (
+                    token % self.block_size
+                )
+        return valid, value
+
+    @cute.jit
+    def tail(self, positions, row, seq_offset, j):
+        """Whether the trailing incomplete pool has token ``j``, and its id."""
+        wide = self.wide
+        seq_len = wide(positions[row]) + wide(seq_offset)
+        tail_start = trunc_div(seq_len, POOL, wide) * POOL
+        return wide(j) < seq_len - tail_start, Int32(tail_start + j)
+
+    @cute.kernel
+    def kernel(
+        self, pool_ids, positions, req_ids, block_table, out, counts, seq_offset
+    ):
+        row, _, _ = cute.arch.block_idx()
+        g, _, _ = cute.arch.thread_idx()
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        req = req_ids[row]
+        max_blocks = block_table.shape[1]
+        expanded = row < pool_ids.shape[0]
+        live = Int32(0)
+        first = Int32(0)
+        if expanded:
+            pid = Int32(pool_ids[row, g])
+            # The stock expansion's int32 token ids (wrapped ones included).
+            valid, value = self.slot(block_table, req, pid * POOL, max_blocks)
+            if pid >= 0 and valid == 1:
+                live, first = Int32(1), value
+        row_out = out.iterator + Int64(row) * self.width
+        if cutlass.const_expr(self.counts):
+            self.compacted(
+                positions,
+                block_table,
+                out,
+                counts,
+                seq_offset,
+                row,
+                g,
+                req,
+                max_blocks,
+                expanded,
+                live,
+                first,
+                row_out,
+            )
+        else:
+            self.in_place(
+                positions,
+                block_table,
+                seq_offset,
+                row,
+                g,
+                req,
+                max_blocks,
+                expanded,
+                live,
+                first,
+                row_out,
+            )
+
+    @cute.jit
+    def in_place(
+        self,
+        positions,
+        block_table,
+        seq_offset,
+        row,
+        g,
+        req,
+        max_blocks,
+        expanded,
+        live,
+        first,
+        row_out,
+    ):
+        words = [Uint32(0xFFFFFFFF)] * POOL
+        if live == 1:
+            words = [Uint32(first + o) for o in range(POOL)]
+        store_words(row_out + g * POOL, words)
+        if g == 0:
+            # The trailing pool's three columns and the first -1 column.
+            tail = [Uint32(0xFFFFFFFF)] * POOL
+            if expanded:
+                for j in cutlass.range_constexpr(POOL - 1):
+                    has, token = self.tail(positions, row, seq_offset, j)
+                    if has:
+                        valid, value = self.slot(block_table, req, token, max_blocks)
+                        if valid == 1:
+                            tail[j] = Uint32(value)
+            store_words(row_out + self.groups * POOL, tail)
+        for c in cutlass.range(
+            (self.groups + 1 + g) * POOL, self.width, self.groups * POOL, unroll=1
+        ):
+            store_words(row_out + c, [Uint32(0xFFFFFFFF)] * POOL)
+
+    @cute.jit
+    def compacted(
+        self,
+        positions,
+        block_table,
+        out,
+        counts,
+        seq_offset,
+        row,
+        g,
+        req,
+        max_blocks,
+        expanded,
+        live,
+        first,
+        row_out,
+    ):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        smem = cutlass.memory.SmemAllocator()
+        warp_counts = smem.allocate_tensor(Int32, cute.make_layout(self.warps + 1))
+        ballot = cute.arch.vote_ballot_sync(live == 1)
+        below = cute.arch.popc(ballot & ((Uint32(1) << lane) - Uint32(1)))
+        if lane == 0:
+            warp_counts[warp] = Int32(cute.arch.popc(ballot))
+        cute.arch.barrier()
+        prior = Int32(0)
+        for w in cutlass.range(warp, unroll=1):
+            prior += warp_counts[w]
+        if live == 1:
+            offset = (prior + Int32(below)) * POOL
+            store_words(row_out + offset, [Uint32(first + o) for o in range(POOL)])
+        if g == self.groups - 1:
+            # The last thread knows the history total; it appends the tail.
+            total = (prior + Int32(cute.arch.popc(ballot))) * POOL
+            if expanded:
+                for j in cutlass.range_constexpr(POOL - 1):
+                    has, token = self.tail(positions, row, seq_offset, j)
+                    if has:
+                        valid, value = self.slot(block_table, req, token, max_blocks)
+                        if valid == 1:
+                            out[row, total] = value
+                            total += 1
+            counts[row] = total
+            warp_counts[self.warps] = total
+        cute.arch.barrier()
+        valid_total = warp_counts[self.warps]
+        for c in cutlass.range(valid_total + g, self.width, self.groups, unroll=1):
+            out[row, c] = Int32(-1)
+
+
+class ExpandRemapKernel(KpoolJitKernel["ExpandRemapKernel.CompileKey"]):
+    """The compiled ``_RemapKernel`` executors, one per top-k shape, KV block
+    layout, positions dtype and conversion (with or without counts)."""
+
+    @dataclass(frozen=True)
+    class CompileKey:
+        groups: int
+        width: int
+        block_size: int
+        stride_rows: int
+        positions_dtype: torch.dtype
+        counts: bool
+
+    @staticmethod
+    def kernel(compile_key: CompileKey) -> _RemapKernel:
+        return _RemapKernel(compile_key)
+
+    def warmup_inputs(self, compile_key: CompileKey) -> tuple:
+        k = compile_key
+        rows = cute.sym_int()
+        ids = make_fake_tensor(
+            Int32, (cute.sym_int(), k.groups), (cute.sym_int64(), 1), assumed_align=4
+        )
+        positions = make_fake_tensor(
+            _POSITION_DTYPES[k.positions_dtype],
+            (cute.sym_int(),),
+            (1,),
+            assumed_align=4,
+        )
+        req_ids = make_fake_tensor(Int32, (rows,), (1,), assumed_align=4)
+        table = make_fake_tensor(
+            Int32,
+            (cute.sym_int(), cute.sym_int()),
+            (cute.sym_int64(), 1),
+            assumed_align=4,
+        )
+        out = make_fake_tensor(Int32, (rows, k.width), (k.width, 1), assumed_align=16)
+        counts = None
+        if k.counts:
+            counts = make_fake_tensor(Int32, (cute.sym_int(),), (1,), assumed_align=4)
+        return ids, positions, req_ids, table, out, counts, Int32(0)
+
+
+REMAP = ExpandRemapKernel()
