@@ -5,10 +5,11 @@
 #                matches), the stock wheel in build/cache, then pytest
 #   make wheel   dist/vllm-0.33.0+glm5next.kpool<N>-cp38-abi3-manylinux_2_28_x86_64.whl
 #   make lint    ruff check + ruff format --check
+#   make mutate  mutation testing of the kpool stage's host code (tools/mutate.py)
 #   make clean   remove build/ and dist/ (make distclean: .venv too)
 #
 # Variables: PYTHON (default python3), PYTEST_ARGS (e.g. -m 'not slow'),
-# WHEEL_ARGS (e.g. --wheel /path/to/vllm-0.33.0-...whl).
+# WHEEL_ARGS (e.g. --wheel /path/to/vllm-0.33.0-...whl), MUTATE_ARGS.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -22,12 +23,15 @@ WHEEL_VENV := build/venv-wheel
 WHEEL_PIN := wheel==0.48.0
 PYTEST_ARGS ?=
 WHEEL_ARGS ?=
+# The mutation tool and the coverage it selects tests by (make mutate only).
+MUTATE_PINS := cosmic-ray==8.7.0 coverage==7.17.3
+MUTATE_ARGS ?=
 
-.PHONY: help test venv fetch wheel lint clean distclean
+.PHONY: help test venv fetch wheel lint mutate clean distclean
 .DEFAULT_GOAL := help
 
 help:
-	@sed -n '4,12p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,13p' Makefile | sed 's/^# \{0,1\}//'
 
 venv:
 	@want="$(PIP_PIN) $(PINS) python=$$($(PYTHON) -c 'import sys; print(sys.version.split()[0])')"; \
@@ -65,6 +69,14 @@ wheel: $(WHEEL_VENV)/.ok
 lint: venv
 	$(VPY) -m ruff check .
 	$(VPY) -m ruff format --check .
+
+# Not part of `make test` (.ci/run): about half an hour on 2 cores.
+mutate: venv
+	@$(VPY) -m pip install -q $(MUTATE_PINS)
+	@start=$$SECONDS; rc=0; \
+	$(VPY) tools/mutate.py $(MUTATE_ARGS) || rc=$$?; \
+	echo "== make mutate: $$((SECONDS - start)) s, exit $$rc"; \
+	exit $$rc
 
 clean:
 	rm -rf build dist

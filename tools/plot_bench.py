@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Draws a ``tools/bench_kpool.py`` JSON as a PNG: time per launch against
-rows, stock and specialized, one panel per kernel.
+"""Draws a ``tools/bench_kpool.py`` JSON as a PNG: the speedups (stock time
+over ours) against rows, in CUDA graphs and eager, and the upcast's share of
+the copy roofline, stock and ours.
 
     python tools/plot_bench.py bench.json docs/bench.png   # needs matplotlib
+
+Reads the older JSON too (no sections, one upcast distribution).
 """
 
 import argparse
@@ -12,9 +15,131 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+DISTS = ("full", "random", "short")
+WIDTH_COLORS = {16384: "tab:blue", 65536: "tab:orange", 262144: "tab:red"}
+ROOF_TARGET = 0.9
+EAGER_TARGET = 2.0
 
-def rows_of(size: str) -> int:
-    return int(re.match(r"\d+", size).group())
+
+def normalize(r: dict) -> dict:
+    """The structured fields of a result row, parsed from its names where an
+    older JSON left them out."""
+    r = dict(r)
+    r.setdefault("section", "graph")
+    r.setdefault("rows", int(re.match(r"\d+", r["size"]).group()))
+    if "update" in r["kernel"] and "tokens" not in r:
+        r["tokens"] = int(r["size"].split("x")[1])
+    old_upcast = re.fullmatch(r"upcast_logits (\d+)K", r["kernel"])
+    if old_upcast:  # random row ends, one width per kernel name
+        r.update(kernel="upcast_logits random", dist="random")
+        r["width"] = int(old_upcast.group(1)) * 1024
+        if "ours_of_copy" in r:
+            r["ours_roof"] = r["ours_of_copy"]
+    return r
+
+
+def series(rows, key) -> dict:
+    """{label: sorted [(rows, row)]} grouped by ``key(row)`` (None: left out)."""
+    out = defaultdict(list)
+    for r in rows:
+        label = key(r)
+        if label is not None:
+            out[label].append((r["rows"], r))
+    return {k: sorted(v, key=lambda p: p[0]) for k, v in out.items()}
+
+
+def kernel_label(r) -> str | None:
+    if r["kernel"].startswith(("upcast", "decode tail")):
+        return None
+    if "tokens" in r:
+        return f"{r['kernel']}, {r['tokens']} tok"
+    return r["kernel"]
+
+
+def tail_label(r) -> str | None:
+    if not r["kernel"].startswith("decode tail"):
+        return None
+    return r.get("path") or r["kernel"].removeprefix("decode tail").strip() or "tail"
+
+
+def eager_label(r) -> str | None:
+    if r["kernel"].startswith("upcast"):
+        return f"upcast_logits {r['width'] // 1024}K {r.get('dist', '')}"
+    return kernel_label(r) or f"decode tail {tail_label(r)}"
+
+
+def natural(label: str) -> list:
+    """Sort key that puts "16K" before "256K"."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", label)]
+
+
+def draw_ratios(ax, by_label, title, target=None) -> None:
+    for label, points in sorted(by_label.items(), key=lambda kv: natural(kv[0])):
+        ax.plot([p[0] for p in points], [p[1]["ratio"] for p in points], "o-",
+                label=label, markersize=3)  # fmt: skip
+    ax.axhline(1, color="black", linewidth=0.8)
+    if target:
+        label = f"target x{target:g}"
+        ax.axhline(target, color="tab:green", linestyle=":", label=label)
+    finish(ax, title, "stock / ours")
+
+
+def draw_roofline(ax, rows, dist) -> None:
+    for width, points in sorted(series(rows, lambda r: r["width"]).items()):
+        color = WIDTH_COLORS.get(width)
+        xs = [p[0] for p in points]
+        ours = [100 * p[1].get("ours_roof", float("nan")) for p in points]
+        stock = [100 * p[1].get("stock_roof", float("nan")) for p in points]
+        tag = f"{width // 1024}K"
+        ax.plot(xs, ours, "o-", color=color, label=f"ours {tag}")
+        ax.plot(xs, stock, "s--", color=color, alpha=0.6, label=f"stock {tag}")
+    if dist != "short":  # the target is for full and random row ends
+        label = f"target {ROOF_TARGET:.0%}"
+        ax.axhline(100 * ROOF_TARGET, color="tab:green", linestyle=":", label=label)
+    finish(ax, f"upcast_logits, {dist} ends: % of copy BW", "% of copy roofline")
+    ax.set_ylim(bottom=0)
+
+
+def finish(ax, title, ylabel) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("rows (requests)")
+    ax.set_ylabel(ylabel)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
+
+
+def plot(data: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [normalize(r) for r in data["results"] if "skipped" not in r]
+    graph = [r for r in rows if r["section"] == "graph"]
+    eager = [r for r in rows if r["section"] == "eager"]
+    upcast = defaultdict(list)
+    for r in graph:
+        if "dist" in r:
+            upcast[r["dist"]].append(r)
+    fig, axes = plt.subplots(3, 3, figsize=(16, 13), squeeze=False)
+    draw_ratios(axes[0][0], series(graph, kernel_label), "kernels, CUDA graph")
+    draw_ratios(axes[0][1], series(graph, tail_label), "decode tail per path, graph")
+    draw_ratios(axes[0][2], series(eager, eager_label), "eager, host included",
+                EAGER_TARGET)  # fmt: skip
+    for col, dist in enumerate(DISTS):
+        by_width = series(upcast[dist], lambda r: f"{r['width'] // 1024}K")
+        draw_ratios(axes[1][col], by_width, f"upcast_logits, {dist} ends, graph")
+        draw_roofline(axes[2][col], upcast[dist], dist)
+    meta = data["meta"]
+    fig.suptitle(
+        f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}, triton "
+        f"{meta['triton']}, CuTe DSL {meta['cutedsl']}; launch floor "
+        f"{meta['launch_floor_us'] or 0:.2f} µs, copy {meta['copy_gbs']:.0f} GB/s"
+    )
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
 
 
 def main() -> None:
@@ -22,53 +147,7 @@ def main() -> None:
     parser.add_argument("json", type=Path)
     parser.add_argument("png", type=Path)
     args = parser.parse_args()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    data = json.loads(args.json.read_text())
-    panels = defaultdict(lambda: defaultdict(list))
-    for r in data["results"]:
-        # Update sizes are "requests x tokens": one series per token count.
-        series = r["size"].split("x")[1] if "update" in r["kernel"] else ""
-        panels[r["kernel"]][series].append(
-            (rows_of(r["size"]), r["stock_us"], r["ours_us"])
-        )
-    cols = 3
-    fig, axes = plt.subplots(
-        (len(panels) + cols - 1) // cols,
-        cols,
-        figsize=(5 * cols, 3.6 * ((len(panels) + cols - 1) // cols)),
-        squeeze=False,
-    )
-    for ax, (kernel, by_series) in zip(axes.flat, panels.items(), strict=False):
-        for series, points in sorted(by_series.items()):
-            points.sort()
-            xs = [p[0] for p in points]
-            tag = f" ({series} tok)" if series else ""
-            mark = "s" if series == "4" else "o"
-            stock = [p[1] for p in points]
-            ours = [p[2] for p in points]
-            ax.plot(xs, stock, mark + "--", color="tab:gray", label="stock" + tag)
-            ax.plot(xs, ours, mark + "-", color="tab:green", label="specialized" + tag)
-        ax.set_xscale("log", base=2)
-        ax.set_title(kernel)
-        ax.set_xlabel("rows (requests)")
-        ax.set_ylabel("µs per launch")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    meta = data["meta"]
-    fig.suptitle(
-        f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}, triton "
-        f"{meta['triton']}, CuTe DSL {meta['cutedsl']}; launch floor "
-        f"{meta['launch_floor_us']:.2f} µs, copy {meta['copy_gbs']:.0f} GB/s"
-    )
-    fig.tight_layout()
-    args.png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.png, dpi=110)
+    plot(json.loads(args.json.read_text()), args.png)
     print(f"wrote {args.png}")
 
 

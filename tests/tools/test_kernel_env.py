@@ -6,9 +6,12 @@ functions as the real import of the patched vLLM tree.
 The real side runs here (the root conftest puts the patched overlay first on
 ``sys.path``); the shim side runs in a subprocess (this file as a script) that
 installs the shim before anything imports ``vllm``, from sources staged out of
-the very files the real import loaded. Both run the stock Triton kernels under
-``TRITON_INTERPRET=1`` on the same inputs; sources and results must be equal,
-byte for byte.
+the very files the real import loaded. Every lifted statement, lifted object
+and whole module must be the real import's text; the whole ``jit_warmup``
+modules and the patched indexer must load; and both sides run the stock
+Triton kernels under ``TRITON_INTERPRET=1`` on the same inputs, with results
+equal byte for byte. (The patched indexer itself runs through the shim in
+``tests/models/glm5next/test_indexer_decode_steps.py``.)
 """
 
 import importlib
@@ -30,6 +33,23 @@ INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
 SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
 SPECIALIZED = "vllm.models.glm5next.nvidia.specialized_decode"
+COMMON = "vllm.v1.attention.ops.common"
+SPARSE_INDEXER = "vllm.models.glm5next.nvidia.sparse_indexer"
+# What the kernel-only environment must export whole (the TVM-FFI launch path).
+EXPORTS = {
+    "vllm.model_executor.warmup.jit_warmup": (
+        "kernel_launcher",
+        "VllmJitKernel",
+        "JitWarmupRegistry",
+        "zip_inputs",
+    ),
+    "vllm.model_executor.warmup.jit_warmup_cutedsl_helper": (
+        "VllmCuTeDSLJitKernel",
+        "compile_cutedsl",
+        "cutedsl_fake_stream",
+    ),
+    SPARSE_INDEXER: ("sparse_attn_indexer_kpool", "SPECIALIZED_KPOOL"),
+}
 # kpool update sizes: requests x tokens, head dim, pool, ring, page.
 R, N, D, POOL, RING, PAGE = 3, 2, 128, 4, 8, 4
 
@@ -91,8 +111,13 @@ def make_inputs(seed: int) -> dict:
     width = 2176
     tokens = ints(-1, 40 * 64 + 300, (4, 5120))
     tokens[tokens % 5 == 0] = -1
+    lens = torch.tensor([2, 4, 3], dtype=torch.int32)
+    seq = torch.randn(9, 4, 16, generator=g)
     return dict(
         kpool=kpool,
+        seq=seq,
+        seq_bytes=ints(0, 256, (9, 40)).to(torch.uint8),
+        lens=lens,
         pool_ids=pool_ids,
         seq_lens=ints(0, 800, (5,)),
         logits=torch.randn(3, 1024, generator=g).to(torch.bfloat16)[:, :1000],
@@ -143,6 +168,13 @@ def run_cases(inputs: dict, set_mx) -> dict:
         kp.kpool_decode_update_and_maybe_write_cache_batched(**args, pool_size=POOL)
         out[f"kpool_update_mx={mx}"] = (args["kv_cache"], args["tail_kv_cache"])
     set_mx(None)
+
+    common = importlib.import_module(COMMON)
+    lens = inputs["lens"]
+    packed = common.pack_seq_triton(inputs["seq"], lens)
+    out["pack_seq"] = (packed, common.unpack_seq_triton(packed, lens))
+    packed = common.pack_seq_triton(inputs["seq_bytes"], lens, pad_value=7)
+    out["pack_seq_bytes"] = (packed, common.unpack_seq_triton(packed, lens))
 
     pool_ids, seq_lens = inputs["pool_ids"], inputs["seq_lens"]
     out["expand"] = kp.expand_pools_and_append_tail(pool_ids, seq_lens, POOL)
@@ -277,17 +309,29 @@ def test_staged_files_are_what_the_shim_loads():
 
 
 def test_sources_equal(real, shim_side):
-    """Every lifted definition and the whole kpool_compress are the stock text."""
+    """Every lifted definition is the stock statement of the module the real
+    import loads (and, for functions, classes and kernels, the real object's
+    source); every whole module is the real module's text."""
     shim, _ = _shim()
     _, result = shim_side
-    assert result["sources"].keys() == {
-        f"{m}.{n}" for m, names in shim.STOCK.items() for n in names or ()
-    }
-    for qualname, source in result["sources"].items():
-        assert describe(_resolve(qualname, shim.STOCK)) == source, qualname
+    lifted = {f"{m}.{n}" for m, names in shim.STOCK.items() for n in names or ()}
+    assert result["sources"].keys() == lifted == result["statements"].keys()
+    for qualname in sorted(lifted):
+        module = next(m for m in shim.STOCK if qualname.startswith(m + "."))
+        text = inspect.getsource(importlib.import_module(module))
+        name = qualname[len(module) + 1 :]
+        statement = shim.definition_source(text, name)
+        assert statement == result["statements"][qualname], qualname
+        obj = _resolve(qualname, shim.STOCK)
+        if hasattr(obj, "fn") or inspect.isfunction(obj) or inspect.isclass(obj):
+            assert describe(obj) == result["sources"][qualname], qualname
+    whole = [m for m, names in shim.STOCK.items() if names is None]
+    assert result["modules"].keys() == set(whole)
+    for name in whole:
+        module = importlib.import_module(name)
+        assert inspect.getsource(module) == result["modules"][name], name
     kernels = {k: describe(v) for k, v in vars(real).items() if hasattr(v, "fn")}
     assert kernels == result["kpool_kernels"]
-    assert inspect.getsource(real) == result["kpool_module"]
 
 
 def test_outputs_equal(real, shim_side):
@@ -330,6 +374,13 @@ def test_forced_mx_scales_reach_the_kernel(shim_side):
     assert torch.equal(mx[~changed], fp32[~changed]), f"seed {seed}"
 
 
+def test_whole_modules_and_the_indexer_load(shim_side):
+    """``jit_warmup`` and its CuTe DSL helper load whole (the TVM-FFI launch
+    path), and the patched indexer with them."""
+    _, result = shim_side
+    assert result["exports"] == {module: [] for module in EXPORTS}
+
+
 def test_no_real_vllm_in_the_shim_process(shim_side):
     """Every ``vllm`` module there is the shim's, a staged file or the repo's;
     the fork's specialized decode imports from the repo."""
@@ -352,13 +403,23 @@ def _shim_main(tmp: str) -> None:
         "inputs": str(tmp_dir / "inputs.pt"),
         "default_mx": shim.mqa_logits_use_mx_scales(),
         "sources": {k: describe(v) for k, v in shim.LIFTED.items()},
+        "statements": dict(shim.LIFTED_SOURCE),
+        "modules": {
+            name: inspect.getsource(sys.modules[name])
+            for name, names in shim.STOCK.items()
+            if names is None
+        },
         "kpool_kernels": {
             k: describe(v) for k, v in vars(kp).items() if hasattr(v, "fn")
         },
         "kpool_module": inspect.getsource(kp),
         "outputs": run_cases(inputs, shim.set_mx_scales),
     }
-    try:  # what the GPU tier imports: kpool, its package and cute_ops
+    result["exports"] = {
+        module: [name for name in names if not hasattr(sys.modules[module], name)]
+        for module, names in EXPORTS.items()
+    }
+    try:  # what the GPU tier imports: kpool, its package and its kernels
         importlib.import_module(SPECIALIZED + ".kpool")
         result["specialized"] = [
             module.__file__

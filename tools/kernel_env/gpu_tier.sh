@@ -8,7 +8,9 @@
 #   tools/kernel_env/gpu_tier.sh [extra pytest args]
 #
 # which is: source .device/env.sh && KPOOL_KERNEL_ONLY=1 KPOOL_STOCK=.device/stock
-#           python3 -m pytest -q tests/kernels/glm5next -m gpu [args]
+#           python3 -m pytest -q tests/models/glm5next/specialized_decode \
+#               tests/models/glm5next/test_indexer_decode_steps.py -m gpu [args]
+# (-k indexer_steps: the indexer step driver alone, ~5 min).
 # The stock kernels come from .device/stock through tools/kernel_env/shim.py
 # (the root conftest installs it). With $OUT set, the log and a JUnit XML go
 # there.
@@ -17,7 +19,8 @@ cd "$(dirname "$0")/../.."
 # shellcheck disable=SC1091
 source .device/env.sh || exit 1
 export KPOOL_KERNEL_ONLY=1 KPOOL_STOCK=${KPOOL_STOCK:-.device/stock}
-args=(-q tests/kernels/glm5next -m gpu "$@")
+tests=(tests/models/glm5next/specialized_decode tests/models/glm5next/test_indexer_decode_steps.py)
+args=(-q "${tests[@]}" -m gpu "$@")
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
   python3 -m tools.kernel_env.shim | tee "$OUT/kernel_env.txt"

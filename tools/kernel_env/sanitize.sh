@@ -27,7 +27,7 @@ for tool in ${KPOOL_SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
   # exist (cuGetProcAddress), which is not a kernel's memory error.
   timeout "${KPOOL_SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool "$tool" \
     --report-api-errors no --print-limit 20 --error-exitcode 99 \
-    python3 -m pytest -q -p no:cacheprovider tests/kernels/glm5next -m gpu \
+    python3 -m pytest -q -p no:cacheprovider tests/models/glm5next/specialized_decode -m gpu \
     -k "$select" >"$log" 2>&1
   rc=$?
   summary=$(grep -hE "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1)

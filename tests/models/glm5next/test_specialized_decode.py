@@ -14,8 +14,13 @@ import torch
 
 pytest.importorskip("vllm")
 
+from kpool_harness import fake_gpu, make_config  # noqa: E402
+
 from vllm.config import CompilationMode, CUDAGraphMode  # noqa: E402
 from vllm.forward_context import ForwardContext, override_forward_context  # noqa: E402
+from vllm.model_executor.layers.attention.sparse_mla_attention import (  # noqa: E402
+    SparseMLACommonImpl,
+)
 from vllm.models.glm5next.nvidia import specialized_decode as sd  # noqa: E402
 from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 import (  # noqa: E402
     FlashInferMLASparseSM90Impl,
@@ -26,57 +31,12 @@ INIT = REPO / "vllm/models/glm5next/nvidia/specialized_decode/__init__.py"
 ALL_REQUIREMENTS = 8
 
 
-def make_config(**overrides):
-    """A vllm_config with what the checks read, of a supported deployment
-    unless overridden (``section__field=value``)."""
-    config = SimpleNamespace(
-        additional_config={"decode_backend": "latency_specialized"},
-        model_config=SimpleNamespace(
-            architectures=["Glm5NextForCausalLM"],
-            hf_text_config=SimpleNamespace(
-                index_topk=2048, index_kpool=4, index_head_dim=128
-            ),
-        ),
-        parallel_config=SimpleNamespace(
-            decode_context_parallel_size=1, use_ubatching=False
-        ),
-        compilation_config=SimpleNamespace(
-            mode=CompilationMode.NONE,
-            cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-        ),
-        kernel_config=SimpleNamespace(enable_jit_warmup=True),
-        scheduler_config=SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=8192),
-        speculative_config=SimpleNamespace(num_speculative_tokens=3),
-    )
-    for name, value in overrides.items():
-        if name == "additional_config":
-            config.additional_config = value
-            continue
-        section, field = name.split("__")
-        target = getattr(config, section)
-        if section == "model_config" and field.startswith("index_"):
-            target = target.hf_text_config
-        setattr(target, field, value)
-    return config
-
-
 @pytest.fixture
 def gpu(monkeypatch):
     """The current platform as a CUDA GPU of a chosen capability."""
-    from vllm.platforms import current_platform
 
     def use(capability: int | None):
-        monkeypatch.setattr(current_platform, "is_cuda", lambda: capability is not None)
-        monkeypatch.setattr(
-            current_platform,
-            "is_device_capability",
-            lambda c: capability is not None and c == capability,
-        )
-        monkeypatch.setattr(
-            current_platform,
-            "is_device_capability_family",
-            lambda c: capability is not None and capability // 10 == c // 10,
-        )
+        fake_gpu(monkeypatch, capability)
 
     use(90)
     return use
@@ -323,29 +283,66 @@ def installed(monkeypatch, gpu):
     return SimpleNamespace(log=log, sparse_indexer=sparse_indexer)
 
 
-def attentions(count=2, **impl):
-    """``count`` DSA layers; ``impl`` overrides the last one's impl."""
-    from kpool_harness import make_attention, make_group
+def attentions(count=2, *, group=None, **impl):
+    """``count`` DSA layers; ``impl`` (and ``group``) override the last one's
+    impl attributes (and index group)."""
+    from kpool_harness import FakeImpl, Step, make_attention, make_group, make_inputs
 
-    buffer = torch.full((16, 256), -1, dtype=torch.int32)
-    return [
-        make_attention(
-            make_group(buffer, 8, []),
-            f"model.layers.{i}.self_attn.indexer.k_cache",
-            buffer,
-            **(impl if i == count - 1 else {}),
+    inputs = make_inputs(Step([1], [150]))
+    buffer = inputs.args["topk_indices_buffer"]
+    layers = []
+    for i in range(count):
+        last = i == count - 1
+        index_group = group if last and group is not None else make_group(buffer, 8, [])
+        impl_class = impl.pop("impl_class", FakeImpl) if last else FakeImpl
+        attributes = dict(
+            index_group=index_group,
+            group_conversion_decode_only=False,
+            dcp_world_size=1,
         )
-        for i in range(count)
-    ]
+        attributes.update(impl if last else {})
+        layers.append(
+            make_attention(
+                index_group,
+                inputs,
+                impl=impl_class(**attributes),
+                prefix=f"model.layers.{i}.self_attn.indexer.k_cache",
+            )
+        )
+    return layers
 
 
 class SM90FlashInferImpl:
-    """A backend whose decode converts the logical top-k rows itself."""
+    """A backend whose own decode converts the logical top-k rows itself (as
+    FlashInfer SM90's without patch 0005's flag)."""
 
     forward_mqa = FlashInferMLASparseSM90Impl.forward_mqa
 
     def __init__(self, **attributes):
         self.__dict__.update(attributes)
+
+
+class UnpatchedImpl:
+    """The common sparse MLA decode without patch 0005's flag (a base the
+    stage cannot switch to converting decode steps through the group)."""
+
+    forward_mqa = SparseMLACommonImpl.forward_mqa
+
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+
+FUSED = (
+    "update (FP32 scales), no upcast (FP32 logits, stock returns them), "
+    "fused expand + remap"
+)
+
+
+def not_fused(why):
+    return (
+        "update (FP32 scales), no upcast (FP32 logits, stock returns them), "
+        f"expand, stock conversion ({why})"
+    )
 
 
 def test_install_auto_is_stock(installed):
@@ -366,6 +363,14 @@ def test_install_left_out(installed):
     ]
 
 
+def test_install_without_dsa_layers(installed):
+    assert sd.install(make_config(), []) is None
+    assert installed.sparse_indexer.SPECIALIZED_KPOOL is None and sd._plan is None
+    assert installed.log.lines == [
+        ("info", "GLM-5-Next specialized decode: dsa_kpool off (no DSA layers).")
+    ]
+
+
 def test_install_unsupported_raises(installed, gpu):
     gpu(None)
     with pytest.raises(ValueError, match="SM90"):
@@ -380,44 +385,114 @@ def test_install_without_warmup_registry(installed):
     assert installed.sparse_indexer.SPECIALIZED_KPOOL is stage
     assert stage.fuse and stage.max_rows == 256
     assert sd._plan == sd._Plan(
-        max_rows=256, layer="model.layers.0.self_attn.indexer.k_cache"
+        max_rows=256,
+        layer="model.layers.0.self_attn.indexer.k_cache",
+        # The storage-only tail caches' metadata does not describe the step.
+        ignored=frozenset({"model.layers.0.self_attn.indexer.tail_cache"}),
     )
     [(level, line)] = installed.log.lines
     assert level == "warning"
     assert line == (
         "GLM-5-Next specialized decode: dsa_kpool off: no JIT warmup registry "
-        "compiles its kernels, for decode-only steps of up to 256 rows; DSA "
-        "layers: model.layers.0.self_attn: fused; model.layers.1.self_attn: fused."
+        "compiles its kernels, for decode-only steps of up to 256 rows; attention "
+        f"backend FakeImpl; DSA layers: model.layers.0.self_attn: {FUSED}; "
+        f"model.layers.1.self_attn: {FUSED}."
     )
+
+
+def test_install_without_cuda_registers_nothing(installed, monkeypatch):
+    """A platform that is not CUDA registers no warmup (the requirements are
+    checked first; here they are faked as met)."""
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(sd, "unsupported", lambda config: [])
+    config = make_config()
+    registry = JitWarmupRegistry(config)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)
+    with registry.activate():
+        stage = sd.install(config, attentions())
+    assert stage is not None and len(registry) == 0
+    assert installed.log.lines[0][0] == "warning"
+
+
+def test_install_on_sm100_logs_mx_scales(installed, monkeypatch):
+    from kpool_harness import use_mx_scales
+
+    use_mx_scales(monkeypatch, True)
+    sd.install(make_config(), attentions(1))
+    [(_, line)] = installed.log.lines
+    assert line.endswith(
+        "DSA layers: model.layers.0.self_attn: update (MX scales), upcast, "
+        "fused expand + remap."
+    )
+
+
+def _hisparse_group():
+    from kpool_harness import make_group
+
+    from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
+
+    plain = make_group(torch.zeros(4, 256, dtype=torch.int32), 8, [])
+    return HiSparseMLAIndexGroup(**{f: getattr(plain, f) for f in plain.__dict__})
+
+
+def _group(**changes):
+    from kpool_harness import make_group
+
+    group = make_group(torch.zeros(4, 256, dtype=torch.int32), 8, [])
+    for name, value in changes.items():
+        setattr(group, name, value)
+    return group
 
 
 @pytest.mark.parametrize(
-    "impl, why",
+    "layer, why",
     [
-        (dict(group_conversion_decode_only=True), "does not convert prefill rows"),
+        (
+            dict(impl_class=UnpatchedImpl),
+            "UnpatchedImpl converts the logical top-k rows itself",
+        ),
         (dict(dcp_world_size=2), "decode context parallel"),
         (
             dict(impl_class=SM90FlashInferImpl),
-            "SM90FlashInferImpl reads the logical top-k rows",
+            "SM90FlashInferImpl converts the logical top-k rows itself",
         ),
+        (dict(group=_hisparse_group), "not a plain SparseMLAIndexGroup"),
+        (dict(group=lambda: _group(has_indexer=False)), "no indexer"),
+        (dict(group=lambda: _group(num_layers=2)), "more than one layer"),
+        (dict(group=lambda: "none"), "not a plain SparseMLAIndexGroup"),
     ],
 )
-def test_install_logs_why_not_fused(installed, impl, why):
+def test_install_logs_why_not_fused(installed, layer, why):
     """Fusing is all or none; the stage's other kernels stay on."""
-    stage = sd.install(make_config(), attentions(**impl))
+    if "group" in layer:
+        layer = dict(layer, group=layer["group"]())
+    layers = attentions(**layer)
+    stage = sd.install(make_config(), layers)
     assert not stage.fuse and not stage.layers
+    assert stage.why_not_fused == [None, why]
     assert installed.sparse_indexer.SPECIALIZED_KPOOL is stage
     [(_, line)] = installed.log.lines
     assert line.endswith(
-        "DSA layers: model.layers.0.self_attn: not fused (another is not); "
-        f"model.layers.1.self_attn: not fused ({why})."
+        "DSA layers: model.layers.0.self_attn: "
+        f"{not_fused('another layer is not')}; "
+        f"model.layers.1.self_attn: {not_fused(why)}."
     )
+    # Nothing was installed on any group or impl.
+    from vllm.models.glm5next.nvidia.specialized_decode.kpool import FusedRemap
+
+    for attention in layers:
+        impl = attention.mla_attn.mla_attn.impl
+        convert = getattr(impl.index_group, "_convert_once", None)
+        assert not isinstance(convert, FusedRemap)
+        assert "convert_decode_through_index_group" not in vars(impl)
 
 
 def test_install_warms_up_before_planning(monkeypatch, installed):
     """With the runner's JIT warmup registry active at model build, the stage
-    compiles at the registry's warmup (after the KV caches are bound), then
-    freezes compilation and starts planning steps."""
+    compiles at the registry's warmup (after the KV caches are bound), for
+    the runner's int64 positions, then starts planning steps."""
     from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
     from vllm.models.glm5next.nvidia.specialized_decode import kpool
 
@@ -426,10 +501,9 @@ def test_install_warms_up_before_planning(monkeypatch, installed):
         kpool.KpoolStage,
         "warmup",
         lambda self, *args, **kwargs: calls.append((self, args, kwargs)),
-        raising=False,
     )
-    monkeypatch.setattr(kpool, "freeze", lambda frozen=True: calls.append(frozen))
     config = make_config()
+    config.additional_config[sd.SELF_CHECK_KEY] = "off"
     layers = attentions()
     registry = JitWarmupRegistry(config)
     with registry.activate():
@@ -438,8 +512,82 @@ def test_install_warms_up_before_planning(monkeypatch, installed):
     assert "dsa_kpool on, compiled at JIT warmup" in installed.log.lines[0][1]
     assert len(registry) == 1 and not calls and not sd._plan.warmed
     registry.warmup()
-    assert calls == [
-        (stage, (layers,), dict(max_rows=256, positions_dtype=torch.int64)),
-        True,
-    ]
+    assert calls == [(stage, (layers,), dict(positions_dtype=torch.int64))]
     assert sd._plan.warmed
+    assert sd.POSITIONS_DTYPE is torch.int64
+
+
+def test_warmup_entry(monkeypatch):
+    """The registry protocol of the stage's warmup entry: one key, the rows."""
+    plan = sd._Plan(max_rows=12, layer="a")
+    calls = []
+    stage = SimpleNamespace(warmup=lambda *a, **k: calls.append((a, k)))
+    entry = sd._KpoolWarmup(stage, ("x",), plan, "off")
+    assert entry.get_warmup_keys() == [("dsa_kpool", 12)]
+    entry.compile_many(entry.get_warmup_keys() * 2)
+    assert calls == [((["x"],), dict(positions_dtype=torch.int64))] * 2
+    assert plan.warmed
+
+
+@pytest.mark.parametrize(
+    "mode, problem, warmed, level",
+    [
+        ("on", None, True, "info"),
+        ("on", "upcast_logits case 3", False, "error"),
+        ("strict", None, True, "info"),
+        ("strict", "upcast_logits case 3", None, None),
+    ],
+)
+def test_warmup_self_check(monkeypatch, mode, problem, warmed, level):
+    """The self-check after the compiles (its kernels run on the GPU only;
+    here its answer is given): a failure keeps the stage off, or raises."""
+    from vllm.models.glm5next.nvidia.specialized_decode import self_check
+
+    seen = []
+    monkeypatch.setattr(
+        self_check, "check", lambda keys, seed, device: seen.append(seed) or problem
+    )
+    monkeypatch.setenv(sd.SELF_CHECK_SEED_ENV, "77")
+    clock = iter([10.0, 12.5])
+    monkeypatch.setattr(sd.time, "perf_counter", lambda: next(clock))
+    log = Recorder()
+    log.error = lambda fmt, *args: log.lines.append(("error", fmt % args))
+    monkeypatch.setattr(sd, "logger", log)
+    plan = sd._Plan(max_rows=12, layer="a")
+    stage = SimpleNamespace(
+        warmup=lambda *a, **k: ["k1", "k2"], pool_buffer=torch.zeros(1)
+    )
+    entry = sd._KpoolWarmup(stage, (), plan, mode)
+    if warmed is None:
+        with pytest.raises(RuntimeError, match="self-check failed, upcast_logits"):
+            entry.compile_many([("dsa_kpool", 12)])
+        assert not plan.warmed
+        return
+    entry.compile_many([("dsa_kpool", 12)])
+    assert plan.warmed is warmed and seen == [77]
+    [(logged, line)] = log.lines
+    assert logged == level
+    if problem:
+        assert line == (
+            "GLM-5-Next specialized decode: self-check failed, upcast_logits case "
+            "3; dsa_kpool stays off and the decode runs stock (replay with "
+            f"{sd.SELF_CHECK_SEED_ENV}=77)."
+        )
+    else:
+        assert line.startswith(
+            "GLM-5-Next specialized decode: self-check passed: 2 kernel variants x "
+        )
+        assert line.endswith(", seed 77, 2.50 s.")
+
+
+@pytest.mark.parametrize("mode", ["on", "off", "strict"])
+def test_self_check_setting(monkeypatch, gpu, mode):
+    extra = {"decode_backend": "latency_specialized", sd.SELF_CHECK_KEY: mode}
+    config = sd.specialized_decode_config(make_config(additional_config=extra))
+    assert config.self_check == mode
+    monkeypatch.setenv(sd.SELF_CHECK_ENV, "off")
+    config = sd.specialized_decode_config(make_config(additional_config=extra))
+    assert config.self_check == "off"
+    monkeypatch.setenv(sd.SELF_CHECK_ENV, "sometimes")
+    with pytest.raises(ValueError, match="takes one of"):
+        sd.specialized_decode_config(make_config(additional_config=extra))

@@ -4,7 +4,9 @@
 and the per-loop outcomes the conftest prints at the end of the run."""
 
 import os
+import random
 import secrets
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -37,3 +39,42 @@ def report(kernel: str, cases: int, seed: int, failures: list[str]) -> None:
         f"{kernel}: {len(failures)} of {cases} cases differ from stock "
         f"(replay with KPOOL_SEED={seed}):\n" + "\n".join(failures[:10])
     )
+
+
+def fuzz(
+    kernel: str,
+    default_cases: int,
+    case: Callable[[random.Random, torch.Generator], str | None],
+    device: str = "cuda",
+) -> None:
+    """The fuzz loop every kernel test runs: case ``i`` draws from its own
+    seed (``seed + i``, printed on failure, ``KPOOL_SEED`` replays), returns
+    what differed from stock or None; the outcome goes to the run's summary."""
+    seed, cases = fuzz_seed(), fuzz_cases(default_cases)
+    failures = []
+    for i in range(cases):
+        rng = random.Random(seed + i)
+        gen = torch.Generator(device).manual_seed(seed + i)
+        problem = case(rng, gen)
+        if problem is not None:
+            failures.append(f"seed {seed + i}: {problem}")
+    report(kernel, cases, seed, failures)
+
+
+def poison(shape, dtype, gen) -> torch.Tensor:
+    """Random bits of ``dtype`` (outputs are filled with it before a run, so
+    an unwritten byte cannot pass as a written one)."""
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    bits = torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=gen, device=gen.device
+    )
+    return bits.view(dtype).view(shape)
+
+
+def differs(name: str, expected: torch.Tensor, got: torch.Tensor) -> str | None:
+    """Where ``got`` differs from ``expected``, byte for byte, or None."""
+    a, b = expected.contiguous().view(torch.uint8), got.contiguous().view(torch.uint8)
+    if torch.equal(a, b):
+        return None
+    where = (a != b).nonzero()
+    return f"{name}: {where.shape[0]} bytes differ, first at {where[0].tolist()}"

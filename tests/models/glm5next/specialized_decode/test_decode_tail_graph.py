@@ -26,8 +26,9 @@ class Step:
         self.kv = torch.empty(
             self.pages, PAGE, DIM + 4, dtype=torch.uint8, device=device
         )
-        self.tail = torch.empty(requests + 1, 2, RING, DIM, dtype=torch.bfloat16,
-                                device=device)  # fmt: skip
+        self.tail = torch.empty(
+            requests + 1, 2, RING, DIM, dtype=torch.bfloat16, device=device
+        )
         self.tail_slots = torch.empty(
             requests, tokens, dtype=torch.int64, device=device
         )
@@ -74,13 +75,28 @@ class Step:
         from vllm.models.glm5next.nvidia.specialized_decode import kpool
 
         kpool.kpool_update(
-            self.kv, self.tail, self.tail_slots, self.key, self.score, self.ape,
-            self.slots, self.positions, POOL, mx_scales=mx,
-        )  # fmt: skip
+            self.kv,
+            self.tail,
+            self.tail_slots,
+            self.key,
+            self.score,
+            self.ape,
+            self.slots,
+            self.positions,
+            POOL,
+            mx_scales=mx,
+        )
         kpool.expand_and_remap(
-            self.pool_ids, self.row_positions, POOL, self.req_ids, self.block_table,
-            self.out[: self.rows], self.counts, block_size=BLOCK, stride_rows=BLOCK,
-        )  # fmt: skip
+            self.pool_ids,
+            self.row_positions,
+            POOL,
+            self.req_ids,
+            self.block_table,
+            self.out[: self.rows],
+            self.counts,
+            block_size=BLOCK,
+            stride_rows=BLOCK,
+        )
 
     def stock(self, kv, tail, mx, monkeypatch):
         """The stock decode tail on copies of the step's state."""
@@ -91,20 +107,33 @@ class Step:
 
         monkeypatch.setattr(kpool_compress, "mqa_logits_use_mx_scales", lambda: mx)
         kpool_compress.kpool_decode_update_and_maybe_write_cache_batched(
-            kv, tail, self.tail_slots, self.key, self.score, self.ape, self.slots,
-            self.positions, POOL, DIM,
-        )  # fmt: skip
-        logical = torch.full((self.rows, WIDTH), -1, dtype=torch.int32,
-                             device=self.device)  # fmt: skip
+            kv,
+            tail,
+            self.tail_slots,
+            self.key,
+            self.score,
+            self.ape,
+            self.slots,
+            self.positions,
+            POOL,
+            DIM,
+        )
+        logical = torch.full(
+            (self.rows, WIDTH), -1, dtype=torch.int32, device=self.device
+        )
         seq = self.row_positions.to(torch.int32) + 1
         expanded = kpool_compress.expand_pools_and_append_tail(
             self.pool_ids.to(torch.int64), seq, POOL
         )
         logical[:, : expanded.shape[1]] = expanded
         return triton_convert_req_index_to_global_index(
-            self.req_ids, self.block_table, logical, BLOCK_SIZE=BLOCK,
-            NUM_TOPK_TOKENS=WIDTH, return_valid_counts=True,
-        )  # fmt: skip
+            self.req_ids,
+            self.block_table,
+            logical,
+            BLOCK_SIZE=BLOCK,
+            NUM_TOPK_TOKENS=WIDTH,
+            return_valid_counts=True,
+        )
 
 
 def test_decode_tail_graph_replays_match_stock(monkeypatch):

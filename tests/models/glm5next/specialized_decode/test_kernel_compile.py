@@ -24,9 +24,17 @@ ARCHS = ["sm_90a", "sm_100a"]
 LOG2E = "0f3FB8AA3B"
 # The accurate log2f (libdevice) that both kernels evaluate, by its constants.
 LOG2F = {
-    "0f3DC6B27F", "0fBE2C7F30", "0f3E2FCF2A", "0fBE374E43", "0f3E520BF4",
-    "0fBE763C8B", "0f3E93BF99", "0fBEB8AA49", "0f3EF6384A", "0fBF38AA3B",
-}  # fmt: skip
+    "0f3DC6B27F",
+    "0fBE2C7F30",
+    "0f3E2FCF2A",
+    "0fBE374E43",
+    "0f3E520BF4",
+    "0fBE763C8B",
+    "0f3E93BF99",
+    "0fBEB8AA49",
+    "0f3EF6384A",
+    "0fBF38AA3B",
+}
 # 1/sqrt(128), the 1e-4 amax floor, 1/448, and +-448.
 QUANT = {"0f3DB504F3", "0f38D1B717", "0f3B124925", "0f43E00000", "0fC3E00000"}
 # (MX scales, round_scale) variants of the update kernel.
@@ -45,52 +53,70 @@ def constants(ptx: str) -> set[str]:
     return set(re.findall(r"0f[0-9A-F]{8}", ptx))
 
 
-def _fake(dtype, align):
-    from cutlass.cute.runtime import make_fake_tensor
-
-    return make_fake_tensor(dtype, (cute.sym_int(),), (1,), assumed_align=align)
-
-
 def compile_ptx(kernel, args, arch: str) -> str:
+    """PTX of ``kernel`` compiled as the JIT warmup compiles it (TVM-FFI, an
+    environment stream, the warmup's fake tensors) for ``arch``."""
+    from vllm.model_executor.warmup.jit_warmup_cutedsl_helper import (
+        cutedsl_fake_stream,
+    )
+
     with tempfile.TemporaryDirectory() as dump:
-        options = f"--keep-ptx --dump-dir {dump} --gpu-arch {arch}"
-        return cute.compile(kernel, *args, options=options).__ptx__
+        options = f"--enable-tvm-ffi --keep-ptx --dump-dir {dump} --gpu-arch {arch}"
+        compiled = cute.compile(kernel, *args, cutedsl_fake_stream(), options=options)
+        return compiled.__ptx__
 
 
 def cute_kernels():
     """(name, kernel, fake arguments) of every kernel and variant."""
-    import cuda.bindings.driver as cuda
-    import cutlass as c
+    import torch
 
     from vllm.models.glm5next.nvidia.specialized_decode import kpool as k
 
-    i32, st = c.Int32(1), cuda.CUstream(0)
-    for mx, round_scale in VARIANTS:
-        args = [
-            _fake(c.Uint8, 4), _fake(c.BFloat16, 8), _fake(c.Int32, 4),
-            _fake(c.BFloat16, 8), _fake(c.BFloat16, 8), _fake(c.Float32, 16),
-            _fake(c.Int64, 4), _fake(c.Int32, 4), *[i32] * 6, st,
-        ]  # fmt: skip
-        kernel = k._UpdateKernel(k.POOL, *LAYOUT, mx, round_scale)
-        yield f"update-mx{int(mx)}-round{int(round_scale)}", kernel, args
-    ints = [_fake(c.Int32, 4), _fake(c.Int32, 4), _fake(c.Int32, 16)]
-    yield "expand", k._ExpandKernel(k.POOL, 512, k.EXPAND_THREADS, True), [
-        *ints, *[i32] * 4, st,
-    ]  # fmt: skip
-    remap = [_fake(c.Int32, 4)] * 4 + [_fake(c.Int32, 16), _fake(c.Int32, 4)]
-    yield "remap", k._RemapKernel(k.POOL, 512, 2176, 64, 64), [*remap, *[i32] * 6, st]
-    upcast = [_fake(c.BFloat16, 16), _fake(c.Float32, 16), _fake(c.Int32, 4)]
-    yield (
-        "upcast",
-        k._UpcastKernel(k.UPCAST_THREADS[0], True),
-        [*upcast, *[i32] * 3, st],
-    )
+    ring, page, page_bytes, tail_block, tail_half = LAYOUT
+    i32, i64 = torch.int32, torch.int64
+    variants = [
+        (
+            k.UPDATE,
+            f"update-mx{int(mx)}-round{int(r)}",
+            k.KpoolUpdateKernel.CompileKey(
+                ring, page, page_bytes, tail_block, tail_half, mx, r, i64, i64, i32
+            ),
+        )
+        for mx, r in VARIANTS
+    ]
+    variants += [
+        (
+            k.UPDATE,
+            "update-int64-positions",
+            k.KpoolUpdateKernel.CompileKey(
+                ring, page, page_bytes, tail_block, tail_half, True, True, i32, i32, i64
+            ),
+        ),
+        (k.EXPAND, "expand", k.ExpandPoolsKernel.CompileKey(512, i32)),
+        (k.EXPAND, "expand-int64", k.ExpandPoolsKernel.CompileKey(512, i64)),
+        (
+            k.REMAP,
+            "remap",
+            k.ExpandRemapKernel.CompileKey(512, 2176, 64, 64, i64, True),
+        ),
+        (
+            k.REMAP,
+            "remap-nocounts",
+            k.ExpandRemapKernel.CompileKey(512, 2176, 64, 64, i64, False),
+        ),
+        (k.UPCAST, "upcast", k.UpcastLogitsKernel.CompileKey(128, 1)),
+        (k.UPCAST, "upcast-unrolled", k.UpcastLogitsKernel.CompileKey(256, 4)),
+    ]
+    for kernel, name, key in variants:
+        yield name, kernel.kernel(key), kernel.warmup_inputs(key)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def ptx(request):
-    return {name: compile_ptx(kernel, args, request.param)
-            for name, kernel, args in cute_kernels()}  # fmt: skip
+    return {
+        name: compile_ptx(kernel, args, request.param)
+        for name, kernel, args in cute_kernels()
+    }
 
 
 def stock_update_ptx(arch: str, mx: bool, round_scale: bool) -> str:
@@ -103,16 +129,29 @@ def stock_update_ptx(arch: str, mx: bool, round_scale: bool) -> str:
     fn = kpool_compress._kpool_decode_update_batched_kernel
     ring, page, page_bytes, tail_block, tail_half = LAYOUT
     consts = dict(
-        PAGE_SIZE=page, BUF_NUMEL_PER_PAGE=page_bytes, POOL_SIZE=4, RING=ring,
-        TAIL_BLOCK_ELEMS=tail_block, KPOOL_HEAD=tail_half, HEAD_DIM=128,
-        S_OFFSET_NBYTES_IN_PAGE=page * 128, ROUND_SCALE=round_scale or mx,
-        MX_SCALE=mx, BLOCK_D=128,
-    )  # fmt: skip
+        PAGE_SIZE=page,
+        BUF_NUMEL_PER_PAGE=page_bytes,
+        POOL_SIZE=4,
+        RING=ring,
+        TAIL_BLOCK_ELEMS=tail_block,
+        KPOOL_HEAD=tail_half,
+        HEAD_DIM=128,
+        S_OFFSET_NBYTES_IN_PAGE=page * 128,
+        ROUND_SCALE=round_scale or mx,
+        MX_SCALE=mx,
+        BLOCK_D=128,
+    )
     pointers = dict(
-        buf_fp8_ptr="*fp8e4nv", buf_fp32_ptr="*fp32", tail_kv_ptr="*bf16",
-        key_ptr="*bf16", slot_score_ptr="*bf16", ape_ptr="*fp32",
-        tail_slot_mapping_ptr="*i32", slot_mapping_ptr="*i32", positions_ptr="*i32",
-    )  # fmt: skip
+        buf_fp8_ptr="*fp8e4nv",
+        buf_fp32_ptr="*fp32",
+        tail_kv_ptr="*bf16",
+        key_ptr="*bf16",
+        slot_score_ptr="*bf16",
+        ape_ptr="*fp32",
+        tail_slot_mapping_ptr="*i32",
+        slot_mapping_ptr="*i32",
+        positions_ptr="*i32",
+    )
     signature = {
         name: "constexpr" if name in consts else pointers.get(name, "i32")
         for name in fn.arg_names
@@ -159,7 +198,7 @@ def stock_ptx(tmp_path_factory):
     out = tmp_path_factory.mktemp("stock") / "ptx.json"
     script = (
         f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-        "from test_kpool_compile import ARCHS, VARIANTS, stock_update_ptx; "
+        "from test_kernel_compile import ARCHS, VARIANTS, stock_update_ptx; "
         f"open({str(out)!r}, 'w').write(json.dumps({{f'{{a}}-{{int(m)}}-{{int(r)}}': "
         "stock_update_ptx(a, m, r) for a in ARCHS for m, r in VARIANTS}))"
     )
@@ -183,10 +222,16 @@ def test_every_kernel_waits_on_its_producer(ptx):
         assert ".local" not in text, f"{name} spills to local memory"
 
 
-@pytest.mark.parametrize("name,store", [
-    ("expand", "st.global.v4.b32"), ("remap", "st.global.v4.b32"),
-    ("upcast", "st.global.v4.b32"), ("update-mx1-round1", "st.global.v2.b32"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,store",
+    [
+        ("expand", "st.global.v4.b32"),
+        ("remap", "st.global.v4.b32"),
+        ("remap-nocounts", "st.global.v4.b32"),
+        ("upcast", "st.global.v4.b32"),
+        ("update-mx1-round1", "st.global.v2.b32"),
+    ],
+)
 def test_wide_accesses(ptx, name, store):
     assert ops(ptx[name])[store] >= 1, f"{name}: no {store}"
 

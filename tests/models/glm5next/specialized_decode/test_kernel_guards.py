@@ -1,14 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Bad arguments to the kpool public functions raise a ValueError naming the
-argument before anything is launched; empty batches launch nothing. (Routing
-of the inputs a kernel does not take to stock is tested with ``KpoolStage`` in
-tests/models/glm5next.) Runs on the CPU: no kernel is reached."""
+"""Each kernel's rule, written once (``*_unmet``): the public functions raise
+what it answers as a ValueError naming the argument, before anything is
+launched; empty batches launch nothing; the README's guard table is what the
+rules answer (``tools/guard_table.py``). (Routing of the inputs a rule refuses
+to stock: tests/models/glm5next/test_kpool_routing.py and, on the GPU,
+test_guard_edges.py.) Runs on the CPU: no kernel is reached."""
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from tools import guard_table
 from vllm.models.glm5next.nvidia.specialized_decode import kpool
+
+README = Path(__file__).resolve().parents[4] / "README.md"
+
+
+def test_readme_guard_table_is_the_rules():
+    assert guard_table.readme_table(README) == guard_table.markdown(), (
+        "README.md's guard table differs from the rules: paste the output of "
+        "`python tools/guard_table.py` between its guard-table markers"
+    )
+
 
 DIM, POOL = 128, 4
 
@@ -51,7 +66,7 @@ def test_kpool_update_names_bad_argument(argument):
 
 def test_kpool_update_names_misaligned_argument():
     key = torch.zeros(2 * 2 * DIM + 1, dtype=torch.bfloat16)[1:].view(2, 2, DIM)
-    with pytest.raises(ValueError, match=r"^key: expected a 8-byte aligned"):
+    with pytest.raises(ValueError, match=r"^key: expected .*8-byte aligned"):
         kpool.kpool_update(**update_args() | dict(key=key))
 
 
@@ -80,8 +95,9 @@ def test_expand_pools_names_bad_argument(argument):
         )
         | EXPAND_CASES[argument]
     )
-    pool_ids, seq_lens, pool_size = (args.pop(k) for k in ("pool_ids", "seq_lens",
-                                                            "pool_size"))  # fmt: skip
+    pool_ids, seq_lens, pool_size = (
+        args.pop(k) for k in ("pool_ids", "seq_lens", "pool_size")
+    )
     with pytest.raises(ValueError, match=rf"^{argument}: expected"):
         kpool.expand_pools(pool_ids, seq_lens, pool_size, **args)
 
@@ -89,7 +105,7 @@ def test_expand_pools_names_bad_argument(argument):
 def test_expand_pools_misaligned_out():
     buffer = torch.zeros(2 * 136 + 1, dtype=torch.int32)
     out = buffer[1:].view(2, 136)  # rows 4-byte, not 16-byte, aligned
-    with pytest.raises(ValueError, match=r"^out: expected 16-byte aligned"):
+    with pytest.raises(ValueError, match=r"^out: expected .*16-byte aligned"):
         ids = torch.zeros(2, 32, dtype=torch.int32)
         kpool.expand_pools(ids, torch.zeros(2, dtype=torch.int32), POOL, out=out)
 
@@ -98,7 +114,7 @@ REMAP_CASES = {
     "pool_ids": dict(pool_ids=torch.zeros(2, 48, dtype=torch.int32)),
     "block_size": dict(block_size=6),
     "out": dict(out=torch.zeros(2, 4224, dtype=torch.int32)),  # stock races here
-    "req_ids": dict(req_ids=torch.zeros(3, dtype=torch.int32)),
+    "req_ids": dict(req_ids=torch.zeros(2, dtype=torch.int64)),
     "counts": dict(counts=torch.zeros(1, dtype=torch.int32)),
     "block_table": dict(block_table=torch.zeros(2, 8, dtype=torch.int64)),
     "positions": dict(positions=torch.zeros(2, dtype=torch.float32)),
@@ -144,6 +160,7 @@ def test_upcast_logits_names_bad_argument(argument):
 
 
 def test_upcast_logits_empty_launches_nothing():
-    out = kpool.upcast_logits(torch.zeros(0, 16, dtype=torch.bfloat16),
-                              torch.zeros(0, dtype=torch.int32))  # fmt: skip
+    out = kpool.upcast_logits(
+        torch.zeros(0, 16, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.int32)
+    )
     assert out.shape == (0, 16) and out.dtype == torch.float32

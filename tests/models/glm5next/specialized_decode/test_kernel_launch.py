@@ -1,64 +1,155 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Compilation happens at warmup only: after ``freeze`` a planned step's
-launches find their kernels compiled, a launch that would compile raises, and
-``KpoolStage`` sends such an input to stock instead (same bytes)."""
+"""How the kernels compile and launch (``launch.py``): on fakes, at warmup
+only, each engine its own keys; through TVM-FFI with torch tensors.
+
+CPU: the compile scoping (lazy before any warmup, refused after it, allowed
+again inside a second engine's warmup) and ``KpoolStage.warmup`` compiling
+exactly its keys without launching. GPU: after warmup a planned step's
+launches compile nothing, a key warmup did not see raises in the public
+function and goes to stock in the stage (stock's bytes), and nothing compiles
+inside a CUDA graph capture."""
+
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from kpool_fuzz import needs_cuda
 
-pytestmark = [pytest.mark.gpu, needs_cuda()]
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+cute = pytest.importorskip("cutlass.cute")
 
 DIM, POOL = 128, 4
 
 
-def test_no_compile_after_warmup(monkeypatch):
+@pytest.fixture
+def fresh(monkeypatch):
+    """The launch module as in a new process, and fresh kernel caches."""
+    from vllm.models.glm5next.nvidia.specialized_decode import kpool, launch
+
+    monkeypatch.setattr(launch, "_warmed_up", False)
+    monkeypatch.setattr(launch, "_warmups_running", 0)
+    for kernel in (kpool.UPDATE, kpool.EXPAND, kpool.REMAP, kpool.UPCAST):
+        monkeypatch.setattr(kernel, "_compiled_cache", {})
+    return kpool, launch
+
+
+def test_compiles_only_in_warmups_after_the_first(fresh):
+    kpool, launch = fresh
+    first = kpool.ExpandPoolsKernel.CompileKey(64, torch.int32)
+    second = kpool.ExpandPoolsKernel.CompileKey(96, torch.int32)
+    kpool.EXPAND.compile(first)  # before any warmup: lazily, for direct use
+    with launch.warming_up():
+        kpool.EXPAND.compile(kpool.ExpandPoolsKernel.CompileKey(32, torch.int32))
+    with pytest.raises(RuntimeError, match="not compiled during warmup"):
+        kpool.EXPAND.compile(second)
+    assert not kpool.EXPAND.ready(second)
+    with launch.warming_up():  # a second engine warms up its own keys
+        kpool.EXPAND.compile(second)
+    assert kpool.EXPAND.ready(first) and kpool.EXPAND.ready(second)
+
+
+def _attention(device="cpu", ring=8, page=16, groups=512, width=2176, block=64):
+    kv = torch.zeros(4, page, DIM + 4, dtype=torch.uint8, device=device)
+    tail = torch.zeros(3, 2, ring, DIM, dtype=torch.bfloat16, device=device)
+    indexer = SimpleNamespace(
+        k_cache=SimpleNamespace(
+            prefix="model.layers.0.self_attn.indexer.k_cache", kv_cache=kv
+        ),
+        tail_cache=SimpleNamespace(kv_cache=tail),
+        topk_tokens=groups * POOL,
+        topk_indices_buffer=torch.zeros(2, width, dtype=torch.int32, device=device),
+        scale_fmt="ue8m0",
+    )
+    mla_kv = torch.zeros(5, block, 576, dtype=torch.bfloat16, device=device)
+    mla = SimpleNamespace(mla_attn=SimpleNamespace(kv_cache=mla_kv, impl=None))
+    return SimpleNamespace(indexer=indexer, mla_attn=mla)
+
+
+def test_warmup_compiles_the_stage_keys_without_launching(fresh, monkeypatch):
+    kpool, launch = fresh
+    launched = []
+    for kernel in (kpool.UPDATE, kpool.EXPAND, kpool.REMAP, kpool.UPCAST):
+        monkeypatch.setattr(kernel, "run", lambda *a: launched.append(a))
+    stage = kpool.KpoolStage([], 8, "cpu")
+    stage.fuse = True
+    attn = _attention()
+    keys = stage.compile_keys([attn], torch.int64)
+    assert stage.warmup([attn]) == keys
+    assert not launched
+    for kernel, key in keys:
+        assert kernel.ready(key)
+    names = {
+        (type(kernel).__name__, getattr(key, "positions_dtype", None))
+        for kernel, key in keys
+    }
+    # The update's positions are the indexer's int32 copy; expansions read the
+    # runner's int64 positions.
+    assert ("KpoolUpdateKernel", torch.int32) in names
+    assert ("ExpandRemapKernel", torch.int64) in names
+    remaps = [key for kernel, key in keys if kernel is kpool.REMAP]
+    assert {key.counts for key in remaps} == {True, False}
+    # After warmup nothing compiles outside one.
+    with pytest.raises(RuntimeError, match="not compiled during warmup"):
+        kpool.EXPAND.compile(kpool.ExpandPoolsKernel.CompileKey(7, torch.int32))
+
+
+@pytest.mark.gpu
+@needs_cuda()
+def test_no_compile_after_warmup_on_the_gpu(fresh):
     from vllm.models.glm5next.nvidia.ops.kpool_compress import (
         expand_pools_and_append_tail,
     )
-    from vllm.models.glm5next.nvidia.specialized_decode import kpool
 
-    monkeypatch.setattr(kpool, "_compiled", {})
-    monkeypatch.setattr(kpool, "_frozen", False)
+    kpool, launch = fresh
     device = torch.device("cuda")
-    mx = torch.cuda.get_device_capability()[0] == 10
-    kv = torch.zeros(8, 64, DIM + 4, dtype=torch.uint8, device=device)
-    tail = torch.zeros(9, 2, POOL, DIM, dtype=torch.bfloat16, device=device)
-    kpool._warm_update(kv, tail, torch.int64, mx, True)
-    kpool._warm_expand(512, torch.int64, device)
-    kpool._warm_remap(512, 2176, 64, 64, torch.int64, device)
-    kpool._warm_upcast(device)
-    kpool.freeze()
-    compiled = len(kpool._compiled)
-    assert compiled == 5  # upcast has a small- and a large-batch config
-
-    # A step of warmed-up shapes (other batch sizes) compiles nothing.
-    ints = dict(dtype=torch.int64, device=device)
-    i32 = dict(dtype=torch.int32, device=device)
-    requests, tokens = 3, 2
+    stage = kpool.KpoolStage([], 8, device)
+    stage.fuse = True
+    attn = _attention(device, ring=POOL, page=64)
+    stage.warmup([attn])
+    compiled = sum(
+        len(k._compiled_cache)
+        for k in (kpool.UPDATE, kpool.EXPAND, kpool.REMAP, kpool.UPCAST)
+    )
+    i32, i64 = (
+        dict(dtype=torch.int32, device=device),
+        dict(dtype=torch.int64, device=device),
+    )
+    # A step of warmed-up layouts (other batch sizes) compiles nothing.
     positions = torch.tensor([[3, 4], [6, 7], [-1, -1]], **i32)
-    slots = torch.tensor([[5, -1], [-1, 9], [-1, -1]], **ints)
-    tail_slots = torch.arange(1, 4, **ints)[:, None] * POOL + positions % POOL
-    key = torch.randn(requests, tokens, DIM, device=device).to(torch.bfloat16)
+    slots = torch.tensor([[5, -1], [-1, 9], [-1, -1]], **i64)
+    tail_slots = torch.arange(1, 4, **i64)[:, None] * POOL + positions % POOL
+    key = torch.randn(3, 2, DIM, device=device).to(torch.bfloat16)
     ape = torch.zeros(POOL, DIM, device=device)
-    kpool.kpool_update(
-        kv, tail, tail_slots, key, key, ape, slots, positions, POOL, mx_scales=mx
+    kv, tail = attn.indexer.k_cache.kv_cache, attn.indexer.tail_cache.kv_cache
+    stage.update(
+        kv, tail, tail_slots, key, key, ape, slots, positions, POOL, round_scale=True
     )
     ids = torch.randint(0, 100, (5, 512), **i32)
     out = torch.empty(5, 2176, **i32)
     counts = torch.empty(5, **i32)
-    seq = torch.arange(5, **ints)
-    req_ids, block_table = torch.zeros(5, **i32), torch.zeros(1, 8, **i32)
+    seq = torch.arange(5, **i64)
     kpool.expand_and_remap(
-        ids, seq, POOL, req_ids, block_table, out, counts, block_size=64,
+        ids,
+        seq,
+        POOL,
+        torch.zeros(5, **i32),
+        torch.zeros(1, 8, **i32),
+        out,
+        counts,
+        block_size=64,
         stride_rows=64,
-    )  # fmt: skip
+    )
     kpool.expand_pools(ids, seq, POOL, out=out)
     logits = torch.randn(3, 1000, device=device).to(torch.bfloat16)
     kpool.upcast_logits(logits, torch.full((3,), 999, **i32))
     torch.cuda.synchronize()
-    assert len(kpool._compiled) == compiled
+    after = sum(
+        len(k._compiled_cache)
+        for k in (kpool.UPDATE, kpool.EXPAND, kpool.REMAP, kpool.UPCAST)
+    )
+    assert after == compiled
 
     # A shape warmup did not see: the kernel refuses to compile ...
     ids96 = ids[:, :96]
@@ -70,18 +161,9 @@ def test_no_compile_after_warmup(monkeypatch):
     kpool.KpoolStage.expand(ids96, seq, POOL, out=stage_out)
     torch.cuda.synchronize()
     assert torch.equal(stock_out, stage_out)
-    assert len(kpool._compiled) == compiled
 
-
-def test_no_compile_inside_cuda_graph_capture(monkeypatch):
-    from vllm.models.glm5next.nvidia.specialized_decode import kpool
-
-    monkeypatch.setattr(kpool, "_compiled", {})
-    monkeypatch.setattr(kpool, "_frozen", False)
-    device = torch.device("cuda")
-    ids = torch.zeros(2, 64, dtype=torch.int32, device=device)
-    out = torch.empty(2, 260, dtype=torch.int32, device=device)
-    seq = torch.zeros(2, dtype=torch.int32, device=device)
+    # Nor inside a CUDA graph capture, even before any warmup.
+    launch._warmed_up = False
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -89,7 +171,6 @@ def test_no_compile_inside_cuda_graph_capture(monkeypatch):
         graph.capture_begin()
         try:
             with pytest.raises(RuntimeError, match="not compiled during warmup"):
-                kpool.expand_pools(ids, seq, POOL, out=out)
+                kpool.expand_pools(ids[:, :64], seq, POOL, out=out)
         finally:
             graph.capture_end()
-    assert not kpool._compiled

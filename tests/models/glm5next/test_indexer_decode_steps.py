@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The patched ``sparse_attn_indexer_kpool`` driven step after step as
+serving runs it (``indexer_steps``): the stage against stock, byte for byte,
+after every step, for each backend path.
+
+- CPU (CI): a few steps under ``TRITON_INTERPRET=1``: the SM100 path in
+  FULL mode and the FlashInfer SM90 path in piecewise mode (no graphs on the
+  CPU: each step eager in its mode's forward context, with the mode's
+  padding) in the test overlay, and the FlashMLA FP8 path eagerly in a
+  subprocess through the kernel-only shim (``tools/kernel_env``, by the CLI
+  ``tools/indexer_steps.py``) over sources staged from the overlay. The stage
+  is on with no kernel compiled, so it routes every input to its stock twin.
+- GPU (``tools/kernel_env/gpu_tier.sh -k indexer_steps``): 500 decode steps
+  (``KPOOL_INDEXER_STEPS``) of each backend path in each mode, fresh seed
+  (``KPOOL_SEED`` replays); and the tail cache's stock metadata split, under
+  which ``planned()`` sees speculative steps as prefills.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("cutlass")
+
+from indexer_batches import BACKENDS, Workload  # noqa: E402
+from indexer_steps import (  # noqa: E402
+    CPU_GEOMETRY,
+    CPU_WORK,
+    MODES,
+    REPORTS,
+    Config,
+    fuzz_seed,
+    run,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+CPU_TRITON = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+CPU_SEED = 5
+HOLD = 200_000  # GPU cycles (~0.1 ms) each stream is held before a conversion
+
+
+def cpu_config(backend: str, mode: str = "eager") -> Config:
+    return Config(
+        backend=backend, mode=mode, geo=CPU_GEOMETRY, work=CPU_WORK, seed=CPU_SEED,
+        compile_kernels=False, capture=False, full_sizes=(2, 4),
+        piecewise_sizes=(16, 64, 256),
+    )  # fmt: skip
+
+
+def _check(report, decode_steps: int) -> None:
+    REPORTS.append(report.line())
+    out = os.environ.get("OUT")
+    if out:
+        name = report.name.replace("/", "-")
+        Path(out, f"indexer_steps-{name}.json").write_text(
+            json.dumps(report.as_dict(), indent=1)
+        )
+    assert report.mismatches == 0, (
+        f"{report.line()} (replay with KPOOL_SEED={report.seed}):\n"
+        + "\n".join(report.details)
+    )
+    assert report.steps["decode_steps"] >= decode_steps
+    assert report.planned > 0, "the stage never ran"
+    if not any(report.why_not_fused):  # every layer's group fuses
+        assert report.deferred > 0, "no step deferred its top-k"
+
+
+@pytest.mark.parametrize(
+    "backend, mode", [("sm100", "full"), ("flashinfer_sm90", "piecewise")]
+)
+def test_indexer_steps_cpu(backend, mode):
+    """Graph modes without graphs: each step eager in its mode's forward
+    context, FULL steps padded with null-block requests."""
+    report = run(cpu_config(backend, mode), "cpu")
+    _check(report, CPU_WORK.decode_steps)
+    assert report.steps["prefill"] and report.steps[f"mode {mode}"]
+
+
+def test_indexer_steps_cpu_kernel_only(tmp_path):
+    """The same through the kernel-only shim, by the CLI
+    (``tools/indexer_steps.py``): the lifted indexer and its helpers run."""
+    sys.path.insert(0, str(REPO))
+    from tools.kernel_env import stage
+
+    modules = {rel: rel[:-3].replace("/", ".") for rel in stage.STOCK_FILES}
+    sources = {
+        rel: Path(importlib.import_module(m).__file__) for rel, m in modules.items()
+    }
+    stage.stage(sources, tmp_path / "stock")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | CPU_TRITON
+    env |= {"KPOOL_KERNEL_ONLY": "1", "KPOOL_STOCK": str(tmp_path / "stock")}
+    out = tmp_path / "result.json"
+    command = [sys.executable, str(REPO / "tools/indexer_steps.py"), "--cpu-smoke"]
+    command += ["--backends", "flashmla_fp8", "--seed", str(CPU_SEED)]
+    command += ["--json", str(out)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["meta"]["vllm"] == "kernel-only shim", result["meta"]
+    assert result["meta"]["foreign_vllm_modules"] == []
+    assert len(result["runs"]) == 1
+    for report in result["runs"]:
+        assert report["mismatches"] == 0, report["details"]
+        assert report["planned"] > 0 and report["deferred"] > 0, report["summary"]
+        assert not any(report["why_not_fused"]), report["why_not_fused"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_indexer_steps_match_stock(backend, mode):
+    steps = int(os.environ.get("KPOOL_INDEXER_STEPS") or 500)
+    work = Workload(decode_steps=steps, tail_split="indexer")
+    cfg = Config(backend, mode, work=work, seed=fuzz_seed(), hold_cycles=HOLD)
+    report = run(cfg, "cuda")
+    _check(report, steps)
+    if mode != "eager":
+        assert report.steps[f"{mode}_replay"] > 0, report.line()
+    if backend == "sm100":
+        assert report.fused > 0, "no top-k went through the fused remap"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_indexer_steps_stock_tail_split(backend):
+    """``KpoolTailMetadataBuilder``'s own split (threshold 1): the stage runs
+    only where no request has speculative tokens."""
+    steps = int(os.environ.get("KPOOL_INDEXER_STEPS") or 500) // 5
+    work = Workload(decode_steps=steps, tail_split="stock")
+    report = run(Config(backend, "eager", work=work, seed=fuzz_seed()), "cuda")
+    _check(report, steps)
