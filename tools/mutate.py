@@ -20,6 +20,7 @@ failed (or the mutant did not even define); survived: they all passed.
 
     python tools/mutate.py                 # all mutants, 2 workers
     python tools/mutate.py --filter kpool  # mutants of matching paths only
+    python tools/mutate.py --survivors     # the last run's survivors again
     python tools/mutate.py --plant bug.patch [-k EXPR]  # a hand-made mutant
 
 `--plant` applies a unified diff of one target file (paths as in the repo,
@@ -232,7 +233,27 @@ def _inside(pos: tuple[int, int], spans) -> bool:
 # --- Cosmic Ray: the mutants ------------------------------------------------
 
 
-def init_session(config: Config, overlay: Path, only: str | None):
+def _survivors_of_last_run(src: Path) -> set[tuple[str, str, int]]:
+    """(copy path, operator, occurrence) of the last run's survivors, when
+    the sources it mutated are the ones mutated now."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome
+
+    db = WORK / "session.sqlite"
+    if not db.exists():
+        raise SystemExit("--survivors: no previous run in build/mutate")
+    found = set()
+    with use_db(str(db), WorkDB.Mode.open) as work_db:
+        for item, result in work_db.completed_work_items:
+            if result.test_outcome == TestOutcome.SURVIVED:
+                m = item.mutations[0]
+                found.add((str(m.module_path), m.operator_name, m.occurrence))
+    return found
+
+
+def init_session(
+    config: Config, overlay: Path, only: str | None, survivors_only: bool = False
+):
     """Copies the targets under build/mutate/src and lets Cosmic Ray list
     their mutants into build/mutate/session.sqlite; skips those out of
     scope or of excluded operators. Returns (db path, {copy: (target,
@@ -243,6 +264,12 @@ def init_session(config: Config, overlay: Path, only: str | None):
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     src = WORK / "src"
+    previous = _survivors_of_last_run(src) if survivors_only else None
+    old_sources = {}
+    if previous is not None:
+        for target in config.targets:
+            copy = src / target.path
+            old_sources[str(copy)] = copy.read_text() if copy.exists() else None
     shutil.rmtree(src, ignore_errors=True)
     copies = {}
     for target in config.targets:
@@ -250,6 +277,8 @@ def init_session(config: Config, overlay: Path, only: str | None):
             continue
         source = (overlay / target.path).read_text()
         copy = src / target.path
+        if previous is not None and old_sources.get(str(copy)) not in (None, source):
+            raise SystemExit(f"--survivors: {target.path} changed since the last run")
         copy.parent.mkdir(parents=True, exist_ok=True)
         copy.write_text(source)
         lines, annotations = scope_lines(target, source)
@@ -264,7 +293,10 @@ def init_session(config: Config, overlay: Path, only: str | None):
             target, _, lines, annotations = copies[str(mutation.module_path)]
             start = tuple(mutation.start_pos)
             why = None
-            if start[0] not in lines:
+            spec = (str(mutation.module_path), mutation.operator_name)
+            if previous is not None and (*spec, mutation.occurrence) not in previous:
+                why = "not a survivor of the last run"
+            elif start[0] not in lines:
                 why = "out of scope"
             elif _inside(start, annotations):
                 why = "annotation"
@@ -293,6 +325,10 @@ def _key(node: ast.stmt, index: int):
     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
         return ("assign", (node.target.id,))
     return ("stmt", index)
+
+
+def _decorators(node) -> str:
+    return ast.dump(ast.Module(getattr(node, "decorator_list", []), []))
 
 
 def _live_function(owner, name: str):
@@ -343,18 +379,27 @@ def _apply_body(old_body, new_body, old_src, new_src, globals_, owner, filename)
             raise Unsupported(f"a new statement: {key}")
         if ast.get_source_segment(old_src, before) == ast.get_source_segment(
             new_src, node
-        ):
+        ) and _decorators(before) == _decorators(node):
             continue
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            if ast.dump(ast.Module(before.decorator_list, [])) != ast.dump(
-                ast.Module(node.decorator_list, [])
-            ):
+            if _decorators(before) != _decorators(node):
                 raise Unsupported(f"decorators of {node.name}")
             fresh = _fresh_function(node, globals_, filename, in_class)
             live = _live_function(owner, node.name)
             live.__code__ = fresh.__code__
             live.__defaults__ = fresh.__defaults__
             live.__kwdefaults__ = fresh.__kwdefaults__
+            applied += 1
+        elif (
+            isinstance(node, ast.ClassDef)
+            and not in_class
+            and (
+                ast.dump(ast.Module(before.decorator_list, []))
+                != ast.dump(ast.Module(node.decorator_list, []))
+            )
+        ):
+            module = ast.Module(body=[node], type_ignores=[])
+            exec(compile(module, filename, "exec"), globals_)
             applied += 1
         elif isinstance(node, ast.ClassDef):
             cls = vars(owner)[node.name]
@@ -566,6 +611,28 @@ def _changed_line(source: str, mutated: str) -> tuple[int, str, str]:
     return 0, "", ""
 
 
+def _reaching(baseline: Baseline, path: str, source: str, line: int) -> set[str]:
+    """The tests whose baseline run executed ``line``; for a line no test
+    executes (a signature's defaults, a decorator, a statement's later line,
+    a module constant: run at import) those of its enclosing definition, or
+    else of the whole file."""
+    lines = baseline.lines.get(path, {})
+    if lines.get(line):
+        return lines[line]
+    tree = ast.parse(source)
+    spans = [(1, len(source.splitlines()))]
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            if first <= line <= node.end_lineno:
+                spans.append((first, node.end_lineno))
+    start, end = min(spans, key=lambda span: span[1] - span[0])
+    found = set().union(*(t for n, t in lines.items() if start <= n <= end))
+    if not found:
+        found = set().union(*lines.values())
+    return found
+
+
 def _explained(config: Config, outcome: Outcome) -> Equivalent | None:
     job = outcome.job
     _, before, after = _changed_line(job.source, job.mutated)
@@ -591,7 +658,7 @@ def mutate(args) -> int:
     started = time.monotonic()
     overlay = prepare_process()
     WORK.mkdir(parents=True, exist_ok=True)
-    db, copies = init_session(config, overlay, args.filter)
+    db, copies = init_session(config, overlay, args.filter, args.survivors)
     targets = [t for t, *_ in copies.values()]
     print(f"== mutate: baseline of {len(config.tests)} test files", flush=True)
     baseline = run_baseline(config, overlay, targets)
@@ -609,7 +676,7 @@ def mutate(args) -> int:
     )
 
     jobs: list[Job] = []
-    skipped = 0
+    skipped = invalid = 0
     no_test: list[Job] = []
     with use_db(str(db), WorkDB.Mode.open) as work_db:
         skipped = sum(
@@ -624,8 +691,13 @@ def mutate(args) -> int:
             mutated = mutate_code(source, operator, mutation.occurrence)
             if mutated is None:
                 continue
+            try:
+                compile(mutated, target.path, "exec")
+            except SyntaxError:
+                invalid += 1  # e.g. the bare `*` of a signature as an operator
+                continue
             line, _, _ = _changed_line(source, mutated)
-            reaching = baseline.lines.get(target.path, {}).get(line, set())
+            reaching = _reaching(baseline, target.path, source, line)
             tests = sorted(reaching, key=lambda t: baseline.passed[t])
             job = Job(
                 item.job_id,
@@ -652,7 +724,8 @@ def mutate(args) -> int:
     print(
         f"== mutate: {len(jobs) + len(no_test)} mutants in scope "
         f"({len(no_test)} reached by no test), {skipped} skipped "
-        f"(out of scope, annotations, excluded operators); {args.workers} workers",
+        f"(out of scope, annotations, excluded operators), {invalid} not valid "
+        f"Python; {args.workers} workers",
         flush=True,
     )
 
@@ -766,6 +839,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--filter", help="only targets whose path contains this")
     parser.add_argument("--limit", type=int, default=0, help="at most N mutants")
+    parser.add_argument(
+        "--survivors", action="store_true", help="only the last run's survivors"
+    )
     parser.add_argument("--plant", help="run the tests with this diff applied")
     parser.add_argument("-k", help="with --plant: pytest -k expression")
     parser.add_argument(

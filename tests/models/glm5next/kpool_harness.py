@@ -269,7 +269,8 @@ def routes_of(timeline: list[str]) -> list[str]:
     return [
         e
         for e in timeline
-        if e.startswith(("kernel:", "stock:")) or e in ("defer", "materialize")
+        if e.startswith(("kernel:", "stock:", "indexer:"))
+        or e in ("defer", "materialize")
     ]
 
 
@@ -279,7 +280,8 @@ class Spies:
     (``*_unmet``) takes the arguments, the compile key is theirs and was
     compiled at warmup, then writes what the kernel would with the stock twin
     (the compile key's flags included). The stage's stock fallbacks are
-    recorded as ``stock:<name>``."""
+    recorded as ``stock:<name>``, the indexer's own decode expansion as
+    ``indexer:expand``."""
 
     def __init__(self, monkeypatch, timeline: list[str]):
         self.timeline = timeline
@@ -299,10 +301,12 @@ class Spies:
             ("expand_pools_and_append_tail", "expand"),
         ):
             monkeypatch.setattr(kpool, name, self.recorded(label, getattr(kpool, name)))
+        expand = self.recorded("expand", STOCK_EXPAND, "indexer")
+        monkeypatch.setattr(kpool_ops, "expand_pools_and_append_tail", expand)
 
-    def recorded(self, label, fn):
+    def recorded(self, label, fn, by="stock"):
         def wrapper(*args, **kwargs):
-            self.timeline.append(f"stock:{label}")
+            self.timeline.append(f"{by}:{label}")
             return fn(*args, **kwargs)
 
         return wrapper

@@ -231,7 +231,9 @@ def test_fp32_scales_not_rounded(monkeypatch, references, stock_module, step):
     assert {key.round_scale for key in compiled_keys()["update"]} == {False}
     got = stage.run(inputs)
     deferred = step.layout != "padded"
-    assert got.routes == (DEFERRED if deferred else [UPDATE, UPCAST, "stock:convert"])
+    assert got.routes == (
+        DEFERRED if deferred else [UPDATE, UPCAST, "indexer:expand", "stock:convert"]
+    )
     assert_same(got, stock_run(stock_module, inputs), logical=not deferred)
 
 
@@ -346,13 +348,13 @@ def test_deferred_then_materialized(monkeypatch, references, stock_module, kwarg
         pytest.param(
             Step([1, 3, 2], [171, 140, 255], "padded", seed=5),
             {},
-            [UPDATE, UPCAST, "stock:convert"],
+            [UPDATE, UPCAST, "indexer:expand", "stock:convert"],
             id="padded",
         ),
         pytest.param(
             Step([1, 2], [2171, 2140], "padded", seed=33, **GLM),
             {},
-            [UPDATE, UPCAST, "stock:convert"],
+            [UPDATE, UPCAST, "indexer:expand", "stock:convert"],
             id="glm-padded",
         ),
         # Stock fills short rows causally on CUDA; on the CPU it expands.
@@ -378,7 +380,7 @@ def test_deferred_then_materialized(monkeypatch, references, stock_module, kwarg
         pytest.param(
             Step([1, 1], [150, 180], positions=False, seed=8),
             {},
-            [UPCAST, "stock:convert"],
+            [UPCAST, "indexer:expand", "stock:convert"],
             id="nopositions",
         ),
         pytest.param(
@@ -592,7 +594,7 @@ def test_mtp_layer_never_defers(monkeypatch, references, stock_module):
     mtp_group = make_group(inputs.args["topk_indices_buffer"], 64, stage.log)
     want = stock_run(stock_module, inputs)
     got = stage.run(inputs, group=mtp_group)
-    assert got.routes == []
+    assert got.routes == ["indexer:expand"]
     assert_same(got, want)
     # A forward whose metadata also holds the model's layers is planned.
     inputs.metadata[LAYER] = inputs.metadata[MTP_LAYER]
@@ -629,7 +631,7 @@ def test_unplanned_steps_run_stock(monkeypatch, references, stock_module, case):
         assert stage.stage.decode_step(None, LAYER, None, 128, POOL, None) is None
         return
     got = stage.run(inputs, dummy_run=case == "dummy")
-    assert got.routes == ["stock:convert"]
+    assert got.routes == ["indexer:expand", "stock:convert"]
     assert_same(got, stock_run(stock_module, inputs))
 
 

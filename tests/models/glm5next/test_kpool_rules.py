@@ -68,6 +68,10 @@ UPDATE_REFUSED = {
     "head_dim-256": (dict(head_dim=256), "head_dim"),
     "pool-2": (dict(pool_size=2), "pool_size"),
     "pool-8": (dict(pool_size=8), "pool_size"),
+    "kv-bytes-stride0": (
+        dict(kv_cache=torch.zeros(3, 16, 1, dtype=torch.uint8).expand(3, 16, 132)),
+        "kv_cache",
+    ),
     "kv-dtype": (dict(kv_cache=torch.zeros(3, 16, 132, dtype=torch.int8)), "kv_cache"),
     "kv-ndim": (dict(kv_cache=torch.zeros(3, 16 * 132, dtype=torch.uint8)), "kv_cache"),
     "kv-bytes-stride": (
@@ -252,6 +256,10 @@ EXPAND_REFUSED = {
     "pool-2": (dict(pool_size=2), "pool_size"),
     "pool-8": (dict(pool_size=8), "pool_size"),
     "ids-dtype": (dict(pool_ids=torch.zeros(3, 32, dtype=torch.int64)), "pool_ids"),
+    "ids-stride0": (
+        dict(pool_ids=torch.zeros(3, 1, dtype=torch.int32).expand(3, 32)),
+        "pool_ids",
+    ),
     "ids-ndim": (dict(pool_ids=torch.zeros(96, dtype=torch.int32)), "pool_ids"),
     "ids-stride": (dict(pool_ids=strided((3, 32), (64, 2), torch.int32)), "pool_ids"),
     "out-none": (dict(out=None), "out"),
@@ -263,6 +271,10 @@ EXPAND_REFUSED = {
     "out-stride": (dict(out=strided((3, 131), (264, 2), torch.int32)), "out"),
     "out-row-stride": (dict(out=strided((3, 131), (134, 1), torch.int32)), "out"),
     "out-misaligned": (dict(out=strided((3, 131), (132, 1), torch.int32, 2)), "out"),
+    "lens-stride0": (
+        dict(seq_lens=torch.zeros(1, dtype=torch.int32).expand(3)),
+        "seq_lens",
+    ),
     "lens-dtype": (dict(seq_lens=torch.zeros(3, dtype=torch.int16)), "seq_lens"),
     "lens-ndim": (dict(seq_lens=torch.zeros(3, 1, dtype=torch.int32)), "seq_lens"),
     "lens-short": (dict(seq_lens=torch.zeros(2, dtype=torch.int32)), "seq_lens"),
@@ -379,6 +391,10 @@ def remap_args(**changes):
 
 REMAP_REFUSED = {
     "ids-dtype": (dict(pool_ids=torch.zeros(3, 32, dtype=torch.int64)), "pool_ids"),
+    "ids-stride0": (
+        dict(pool_ids=torch.zeros(3, 1, dtype=torch.int32).expand(3, 32)),
+        "pool_ids",
+    ),
     "ids-ndim": (dict(pool_ids=torch.zeros(96, dtype=torch.int32)), "pool_ids"),
     "ids-stride": (dict(pool_ids=strided((3, 32), (64, 2), torch.int32)), "pool_ids"),
     "ids-rows": (dict(pool_ids=torch.zeros(4, 32, dtype=torch.int32)), "pool_ids"),
@@ -388,6 +404,20 @@ REMAP_REFUSED = {
             positions=torch.zeros(4, dtype=torch.int64),
         ),
         "pool_ids",
+    ),
+    "ids-3d": (dict(pool_ids=torch.zeros(3, 32, 1, dtype=torch.int32)), "pool_ids"),
+    "out-more-rows": (dict(out=torch.zeros(4, 256, dtype=torch.int32)), "out"),
+    "counts-0d": (dict(counts=torch.tensor(3, dtype=torch.int32)), "counts"),
+    "req-0d": (dict(req_ids=torch.tensor(3, dtype=torch.int32)), "req_ids"),
+    "out-3d": (dict(out=torch.zeros(3, 256, 1, dtype=torch.int32)), "out"),
+    "table-3d": (
+        dict(block_table=torch.zeros(2, 8, 1, dtype=torch.int32)),
+        "block_table",
+    ),
+    "positions-0d": (dict(positions=torch.tensor(3, dtype=torch.int64)), "positions"),
+    "req-stride0": (
+        dict(req_ids=torch.zeros(1, dtype=torch.int32).expand(3)),
+        "req_ids",
     ),
     "req-dtype": (dict(req_ids=torch.zeros(3, dtype=torch.int64)), "req_ids"),
     "req-ndim": (dict(req_ids=torch.zeros(3, 1, dtype=torch.int32)), "req_ids"),
@@ -403,10 +433,18 @@ REMAP_REFUSED = {
     "block-size-neg": (dict(block_size=-4), "block_size"),
     "block-size-6": (dict(block_size=6), "block_size"),
     "block-size-2": (dict(block_size=2), "block_size"),
+    "counts-stride0": (
+        dict(counts=torch.zeros(1, dtype=torch.int32).expand(3)),
+        "counts",
+    ),
     "counts-dtype": (dict(counts=torch.zeros(3, dtype=torch.int64)), "counts"),
     "counts-ndim": (dict(counts=torch.zeros(3, 1, dtype=torch.int32)), "counts"),
     "counts-short": (dict(counts=torch.zeros(2, dtype=torch.int32)), "counts"),
     "counts-stride": (dict(counts=torch.zeros(6, dtype=torch.int32)[::2]), "counts"),
+    "table-stride0": (
+        dict(block_table=torch.zeros(2, 1, dtype=torch.int32).expand(2, 8)),
+        "block_table",
+    ),
     "table-dtype": (
         dict(block_table=torch.zeros(2, 8, dtype=torch.int64)),
         "block_table",
@@ -415,6 +453,10 @@ REMAP_REFUSED = {
     "table-stride": (
         dict(block_table=strided((2, 8), (16, 2), torch.int32)),
         "block_table",
+    ),
+    "positions-stride0": (
+        dict(positions=torch.zeros(1, dtype=torch.int64).expand(3)),
+        "positions",
     ),
     "positions-dtype": (dict(positions=torch.zeros(3, dtype=torch.int16)), "positions"),
     "positions-ndim": (
@@ -502,6 +544,14 @@ UPCAST_REFUSED = {
     "misaligned": (
         dict(logits=strided((3, 100), (104, 1), torch.bfloat16, 4), out=None),
         "logits",
+    ),
+    "column-stride0": (
+        dict(logits=torch.zeros(3, 1, dtype=torch.bfloat16).expand(3, 104), out=None),
+        "logits",
+    ),
+    "ends-stride0": (
+        dict(row_ends=torch.zeros(1, dtype=torch.int32).expand(3)),
+        "row_ends",
     ),
     "ends-dtype": (dict(row_ends=torch.zeros(3, dtype=torch.int64)), "row_ends"),
     "ends-ndim": (dict(row_ends=torch.zeros(3, 1, dtype=torch.int32)), "row_ends"),
@@ -599,6 +649,7 @@ def test_compile_scoping(fresh, monkeypatch):
     assert not kpool.EXPAND.ready(other) and kpool.EXPAND.ready(key)
     with pytest.raises(ZeroDivisionError), launch.warming_up():
         1 / 0  # noqa: B018
+    launch._compiles_allowed()
     assert launch._warmups_running == 0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -656,6 +707,11 @@ def test_kpool_update_launch(fresh):
     for name in ("key", "slot_score"):
         empty[name] = torch.zeros(2, 0, DIM, dtype=torch.bfloat16)
     kpool.kpool_update(*empty.values(), 8)
+    flat = dict(empty, key=torch.zeros(0, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="^key: expected"):
+        kpool.kpool_update(*flat.values(), POOL)  # 1-D: not a batch at all
+    flat = dict(empty, key=torch.zeros(0, DIM, dtype=torch.bfloat16))
+    kpool.kpool_update(*flat.values(), POOL)  # 2-D and empty: nothing to do
     assert len(fresh) == 2
 
 
@@ -672,6 +728,8 @@ def test_expand_pools_launch(fresh):
     assert call[3] == 5
     with pytest.raises(ValueError, match="^out: expected"):
         kpool.expand_pools(args["pool_ids"], args["seq_lens"], POOL, out=None)
+    kpool.expand_pools(args["pool_ids"], args["seq_lens"], POOL, out=args["out"])
+    assert kpool.EXPAND._compiled_cache[key].calls[1][3] == 0  # the default
     none = torch.zeros(0, 32, dtype=torch.int32)
     empty = torch.zeros(0, 132, dtype=torch.int32)
     assert kpool.expand_pools(none, args["seq_lens"], POOL, out=empty) is empty
@@ -761,4 +819,5 @@ def test_upcast_logits_launch(fresh):
 def test_no_warmup_is_running_between_tests():
     """The warmup counter is back to zero whenever none runs (also after one
     raised): a process not inside a warmup refuses compiles after its first."""
+    launch._compiles_allowed()
     assert launch._warmups_running == 0

@@ -100,6 +100,7 @@ def test_left_out_stage_needs_nothing(gpu):
     }
     config = sd.specialized_decode_config(make_config(additional_config=extra))
     assert config == sd.DecodeConfig(stages=())
+    assert hash(config) == hash(sd.DecodeConfig(stages=()))  # a frozen value
 
 
 @pytest.mark.parametrize(
@@ -211,9 +212,22 @@ def test_planned_decode_steps(plan, mode):
     shared = metadata(decode_tokens=8)
     attn = {"a": shared, "b": shared, "tail": metadata(decode_tokens=8)}
     assert planned_in(context(attn, mode))
-    # Metadata without a prefill/decode split does not count.
+    # Metadata without a prefill/decode split does not count, wherever it is.
     attn["storage"] = SimpleNamespace()
     assert planned_in(context(attn, mode))
+    first = {"storage": SimpleNamespace(), "a": metadata(decode_tokens=8)}
+    assert planned_in(context(first, mode))
+    first["b"] = metadata(prefills=1)
+    assert not planned_in(context(first, mode))
+
+
+def test_ignored_layers(plan):
+    """The storage-only tail caches (``plan.ignored``) split a speculative
+    decode step as prefills: their metadata is not read."""
+    attn = {"a": metadata(), "tail": metadata(prefills=2)}
+    assert not planned_in(context(attn))
+    plan.ignored = frozenset({"tail"})
+    assert planned_in(context(dict(attn)))
 
 
 @pytest.mark.parametrize(
@@ -384,6 +398,7 @@ def test_install_without_warmup_registry(installed):
     stage = sd.install(make_config(), attentions())
     assert installed.sparse_indexer.SPECIALIZED_KPOOL is stage
     assert stage.fuse and stage.max_rows == 256
+    assert not sd._plan.warmed
     assert sd._plan == sd._Plan(
         max_rows=256,
         layer="model.layers.0.self_attn.indexer.k_cache",
@@ -548,7 +563,8 @@ def test_warmup_self_check(monkeypatch, mode, problem, warmed, level):
         self_check, "check", lambda keys, seed, device: seen.append(seed) or problem
     )
     monkeypatch.setenv(sd.SELF_CHECK_SEED_ENV, "77")
-    clock = iter([10.0, 12.5])
+    monkeypatch.setattr(sd.secrets, "randbits", lambda bits: 1 / 0)
+    clock = iter([3.0, 7.5])
     monkeypatch.setattr(sd.time, "perf_counter", lambda: next(clock))
     log = Recorder()
     log.error = lambda fmt, *args: log.lines.append(("error", fmt % args))
@@ -577,7 +593,27 @@ def test_warmup_self_check(monkeypatch, mode, problem, warmed, level):
         assert line.startswith(
             "GLM-5-Next specialized decode: self-check passed: 2 kernel variants x "
         )
-        assert line.endswith(", seed 77, 2.50 s.")
+        assert line.endswith(", seed 77, 4.50 s.")
+
+
+def test_self_check_seed(monkeypatch):
+    """Without a seed to replay, a fresh 31-bit one, printed on failure."""
+    from vllm.models.glm5next.nvidia.specialized_decode import self_check
+
+    seeds, bits = [], []
+    monkeypatch.setattr(
+        self_check, "check", lambda keys, seed, device: seeds.append(seed) or "bad"
+    )
+    monkeypatch.delenv(sd.SELF_CHECK_SEED_ENV, raising=False)
+    monkeypatch.setattr(sd.secrets, "randbits", lambda n: bits.append(n) or 12345)
+    log = Recorder()
+    log.error = lambda fmt, *args: log.lines.append(("error", fmt % args))
+    monkeypatch.setattr(sd, "logger", log)
+    stage = SimpleNamespace(warmup=lambda *a, **k: [], pool_buffer=torch.zeros(1))
+    plan = sd._Plan(max_rows=1, layer="a")
+    sd._KpoolWarmup(stage, (), plan).compile(("dsa_kpool", 1))
+    assert bits == [31] and seeds == [12345] and not plan.warmed
+    assert log.lines[0][1].endswith(f"(replay with {sd.SELF_CHECK_SEED_ENV}=12345).")
 
 
 @pytest.mark.parametrize("mode", ["on", "off", "strict"])

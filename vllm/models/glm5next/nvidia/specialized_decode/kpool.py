@@ -549,6 +549,8 @@ class KpoolStage:
             layout = _remap_layout(attn)
             if self.fuse and layout is not None:
                 for counts in (True, False):
+                    if remap_shape_unmet(groups, width, POOL, counts) is not None:
+                        continue  # the rule refuses it: never launched
                     key = ExpandRemapKernel.CompileKey(
                         groups, width, *layout, positions_dtype, counts
                     )
