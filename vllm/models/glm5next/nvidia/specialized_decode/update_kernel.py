@@ -319,29 +319,6 @@ class KpoolUpdateKernel(KpoolJitKernel["KpoolUpdateKernel.CompileKey"]):
     def kernel(compile_key: CompileKey) -> _UpdateKernel:
         return _UpdateKernel(compile_key)
 
-    @staticmethod
-    def key_for(
-        kv_cache,
-        tail_kv_cache,
-        tail_slot_mapping,
-        slot_mapping,
-        positions,
-        mx_scales: bool,
-        round_scale: bool,
-    ) -> CompileKey:
-        return KpoolUpdateKernel.CompileKey(
-            tail_kv_cache.shape[2],
-            kv_cache.shape[1],
-            kv_cache.stride(0),
-            tail_kv_cache.stride(0),
-            tail_kv_cache.stride(1),
-            mx_scales,
-            round_scale,
-            tail_slot_mapping.dtype,
-            slot_mapping.dtype,
-            positions.dtype,
-        )
-
     def warmup_inputs(self, compile_key: CompileKey) -> tuple:
         requests, tokens = cute.sym_int(), cute.sym_int()
         rows = (requests, tokens)
