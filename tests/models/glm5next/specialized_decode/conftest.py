@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Prints every kpool fuzz loop's outcome (cases, seed, mismatches) at the
-end of the run."""
+end of the run, and keeps each test's warmups from ending the next tests'
+lazy compiles."""
 
 import pytest
 from kpool_fuzz import FUZZ_REPORT
