@@ -252,6 +252,9 @@ class Step:
     kind: str
     layout: str
     key: tuple
+    # The host values a capture bakes into its graph: a FULL graph replays
+    # only for steps with the same ones.
+    host: tuple = ()
 
 
 def _split(q_lens: list[int], threshold: int) -> int:
@@ -295,12 +298,19 @@ class Builder:
         view.copy_(host.view(view.shape) if host.dim() == view.dim() else host)
         return view
 
-    def build(self, batch: Batch, *, rows: int, pad_reqs: int = 0, tail_split="stock"):
-        """Metadata of ``batch`` for ``rows`` hidden rows; ``pad_reqs`` null
-        requests of the decode ``q_len`` pad a FULL graph batch."""
+    def build(
+        self, batch: Batch, *, rows: int, full: bool = False, pad_reqs: int = 0,
+        tail_split="stock",
+    ):  # fmt: skip
+        """Metadata of ``batch`` for ``rows`` hidden rows. ``full``: a FULL
+        graph batch, padded with ``pad_reqs`` null requests of its ``q_len``,
+        with capture-time ``max_seq_len`` and a graph key that names every
+        host value its capture bakes in (padded requests, ``q_len``, layout):
+        vLLM keys by token count because its ``q_len`` is fixed per
+        deployment, while this batch cycles ``next_n``."""
         geo = self.geo
         items = [(i.start, i.q_len, i.req) for i in batch.items]
-        q_pad = batch.items[0].q_len if pad_reqs else 0
+        q_pad = batch.items[0].q_len if full else 0
         items += [(None, q_pad, None)] * pad_reqs
         q_lens = [q for _, q, _ in items]
         num_decodes = batch.num_decodes + pad_reqs
@@ -336,7 +346,7 @@ class Builder:
             self.base_slots[:tokens], tail_bt, qsl, pos_view, tokens, len(items),
             geo.ring, out=self.tail_slots[:tokens],
         )  # fmt: skip
-        max_seq = geo.max_model_len if pad_reqs else max(seq_lens)
+        max_seq = geo.max_model_len if full else max(seq_lens)
         decode, layout = None, "none"
         if num_decodes:
             decode, layout = self._decode(items[:num_decodes], seq_lens, bt)
@@ -362,10 +372,15 @@ class Builder:
         metadata = {}
         for k_prefix, tail_prefix, mla_prefix in self.prefixes:
             metadata.update({k_prefix: indexer, tail_prefix: tail, mla_prefix: mla})
-        key = (len(items), q_pad, layout) if pad_reqs else (rows,)
+        key = (len(items), q_pad, layout) if full else (rows,)
+        host = (
+            rows, tokens, tuple(q_lens), num_decodes, indexer.num_decode_tokens,
+            max_seq, tail_decodes, layout,
+        )  # fmt: skip
         return Step(
-            metadata, mla, self.positions[:rows], rows, tokens, batch.kind, layout, key
-        )
+            metadata, mla, self.positions[:rows], rows, tokens, batch.kind, layout,
+            key, host,
+        )  # fmt: skip
 
     def _decode(self, items, seq_lens, bt):
         """Decode rows per layout (see the module docstring)."""

@@ -145,6 +145,7 @@ class Run:
         self.builder = Builder(geo, self.backend, self.prefixes, self.device)
         self.sched = Scheduler(geo, cfg.work, random.Random(cfg.seed))
         self.graphs: dict = {}
+        self.hosts: dict = {}  # FULL graph key: its capture's Step.host
         cuda = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.stream = torch.cuda.Stream(self.device) if cuda else None
@@ -212,6 +213,13 @@ class Run:
 
     def _run_side(self, side: Side, step: Step, how: str) -> None:
         key, stage = (side.name, how, step.key), side.name == "stage"
+        if how == "full":  # a replay must see the host values of its capture
+            captured = self.hosts.setdefault(key, step.host)
+            if captured != step.host:
+                raise AssertionError(
+                    f"FULL graph {key} captured with host values {captured}, "
+                    f"replayed for {step.host}: the graph key misses one"
+                )
         if how == "eager" or not self.cfg.capture:
             mode = {"eager": "NONE", "full": "FULL", "piecewise": "PIECEWISE"}[how]
             ctx = self.context(step, CUDAGraphMode[mode])
@@ -316,7 +324,9 @@ class Run:
         batch = self.sched.schedule()
         how, rows, pad = self._how(batch)
         tail_split = self.cfg.work.tail_split
-        step = self.builder.build(batch, rows=rows, pad_reqs=pad, tail_split=tail_split)
+        step = self.builder.build(
+            batch, rows=rows, full=how == "full", pad_reqs=pad, tail_split=tail_split
+        )
         self.fill_inputs(rows)
         self.source.positions = step.positions
         s = self.stats

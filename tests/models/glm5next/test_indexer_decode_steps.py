@@ -30,7 +30,14 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("cutlass")
 
-from indexer_batches import BACKENDS, Workload  # noqa: E402
+from indexer_batches import (  # noqa: E402
+    BACKENDS,
+    Batch,
+    Builder,
+    Request,
+    Scheduled,
+    Workload,
+)
 from indexer_steps import (  # noqa: E402
     CPU_GEOMETRY,
     CPU_WORK,
@@ -82,6 +89,30 @@ def test_indexer_steps_cpu(backend, mode):
     report = run(cpu_config(backend, mode), "cpu")
     _check(report, CPU_WORK.decode_steps)
     assert report.steps["prefill"] and report.steps[f"mode {mode}"]
+
+
+def test_full_graph_key_names_its_host_values():
+    """A FULL graph replays only for steps with its capture's host values:
+    8 requests of 1 token and 4 of 2 (8 rows each, unpadded) get two graphs,
+    and both capture ``max_seq_len = max_model_len``. Sharing one graph (the
+    rows as key) made stage and stock diverge on the H200 after 442 steps."""
+    geo = CPU_GEOMETRY
+    builder = Builder(geo, BACKENDS["sm100"], [("k", "tail", "mla")], "cpu")
+    steps = []
+    for reqs, q in ((4, 1), (2, 2), (1, 2)):
+        items = [
+            Scheduled(Request(i, 40, 8, i + 1, blocks=[i + 1]), 40, q, False)
+            for i in range(reqs)
+        ]
+        batch = Batch(items, next_n=q, num_decodes=reqs)
+        pad = 2 - reqs if reqs < 2 else 0
+        steps.append(builder.build(batch, rows=4, full=True, pad_reqs=pad))
+    keys = [step.key for step in steps]
+    assert keys[0] != keys[1] and keys[1] == keys[2], keys
+    assert steps[1].host == steps[2].host, (steps[1].host, steps[2].host)
+    assert steps[0].host != steps[1].host
+    for step in steps:
+        assert step.metadata["k"].max_seq_len == geo.max_model_len
 
 
 def test_indexer_steps_cpu_kernel_only(tmp_path):
