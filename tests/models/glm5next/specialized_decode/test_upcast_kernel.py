@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``upcast_logits`` against ``as_fp32_logits``: every column below each row
-end byte for byte; columns at and past the end are left untouched."""
+end byte for byte (past the width into the row padding, as stock does, where
+an end lies there; negative ends convert nothing); columns at and past the
+end are left untouched."""
 
 import pytest
 import torch
@@ -29,7 +31,19 @@ def check_case(rng, gen) -> str | None:
     storage[picks] = special[torch.arange(64, device=device) % 6]
     logits = storage.to(torch.bfloat16).as_strided((rows, width), (stride, 1))
     ends = torch.randint(0, width + 1, (rows,), generator=gen, device=device)
-    ends[torch.rand(rows, generator=gen, device=device) < 0.2] = width
+    draw = torch.rand(rows, generator=gen, device=device)
+    ends[draw < 0.2] = width
+    ends[draw > 0.97] = -torch.randint(1, 2**31, (1,), generator=gen, device=device)
+    # Stock converts up to the end even past the width, into the row padding
+    # (never past the last row: stock's output ends at its width).
+    past = (
+        (draw > 0.93) & (draw <= 0.97) & (torch.arange(rows, device=device) < rows - 1)
+    )
+    if stride > width:
+        over = torch.randint(
+            1, stride - width + 1, (rows,), generator=gen, device=device
+        )
+        ends = torch.where(past, width + over, ends)
     ends = ends.to(torch.int32)
 
     expected = as_fp32_logits(logits, ends)
@@ -39,15 +53,22 @@ def check_case(rng, gen) -> str | None:
     out_rows = poison.clone().view(torch.float32)
     got = upcast_logits(logits, ends, out=out_rows[:, :width])
     torch.cuda.synchronize()
-    cols = torch.arange(width, device=device)
-    below = cols[None, :] < ends[:, None].long()
-    exp_bits, got_bits = expected.view(torch.int32), got.view(torch.int32)
-    # Nothing at or past a row end, nor in the row padding, is written.
-    beyond = torch.ones(rows, stride, dtype=torch.bool, device=device)
-    beyond[:, :width] = ~below
-    kept = torch.equal(out_rows.view(torch.int32)[beyond], poison[beyond])
-    if not (torch.equal(exp_bits[below], got_bits[below]) and kept):
-        bad = int((exp_bits[below] != got_bits[below]).sum())
+    # Both outputs over whole rows (stock's padding read where it wrote).
+    exp_rows = poison.clone()
+    exp_rows[:, :width] = expected.view(torch.int32)
+    if rows > 1 and stride > width:
+        exp_rows[:-1, width:] = expected.view(torch.int32).as_strided(
+            (rows - 1, stride - width), (stride, 1), expected.storage_offset() + width
+        )
+    got_rows = out_rows.view(torch.int32)
+    below = torch.arange(stride, device=device)[None, :] < ends[:, None].long()
+    same = torch.equal(exp_rows[below], got_rows[below])
+    # Nothing at or past a row end is written.
+    kept = torch.equal(got_rows[~below], poison[~below])
+    if got.data_ptr() != out_rows.data_ptr():
+        return "upcast_logits did not return out"
+    if not (same and kept):
+        bad = int((exp_rows[below] != got_rows[below]).sum())
         return (
             f"rows {rows} width {width} stride {stride}: {bad} values differ, "
             f"untouched past the end {kept}"

@@ -88,8 +88,9 @@ def _update(kernel, key, rng, gen):
     positions = start + torch.arange(tokens, device=device)
     positions[torch.rand(requests, **g) < 0.1] = -1
     block = 1 + torch.randperm(blocks - 1, **g)[:requests, None]
-    tail_slots = torch.where(positions >= 0, block * key.ring + positions % key.ring,
-                             -1)  # fmt: skip
+    tail_slots = torch.where(
+        positions >= 0, block * key.ring + positions % key.ring, -1
+    )
     free = torch.randperm(pages * key.page, **g)[: requests * tokens]
     slots = torch.where(positions % POOL == POOL - 1, free.view(requests, tokens), -1)
     magnitude = 10.0 ** rng.choice([0, 4, -6, 30, 38])
@@ -99,9 +100,13 @@ def _update(kernel, key, rng, gen):
     keys, scores = values.to(torch.bfloat16)
     ape = torch.randn(POOL, DIM, **g)
     args = [
-        tail_slots.to(key.tail_slots_dtype), keys, scores, ape,
-        slots.to(key.slots_dtype), positions.to(key.positions_dtype),
-    ]  # fmt: skip
+        tail_slots.to(key.tail_slots_dtype),
+        keys,
+        scores,
+        ape,
+        slots.to(key.slots_dtype),
+        positions.to(key.positions_dtype),
+    ]
     cache_shape = ((pages, key.page, DIM + 4), (key.page_bytes, DIM + 4, 1))
     tail_shape = ((blocks, 2, key.ring, DIM), (key.tail_block, key.tail_half, DIM, 1))
     caches = []
@@ -120,8 +125,9 @@ def _pool_ids(rows, groups, rng, gen, limit):
     ids = torch.randint(0, max(limit, 1), (rows, groups), **g)
     ids[torch.rand(rows, groups, **g) < rng.choice([0.0, 0.1, 1.0])] = -1
     wraps = torch.rand(rows, groups, **g) < 0.01
-    ids = torch.where(wraps, torch.randint(1 << 29, (1 << 31) - 1, (rows, groups), **g),
-                      ids)  # fmt: skip
+    ids = torch.where(
+        wraps, torch.randint(1 << 29, (1 << 31) - 1, (rows, groups), **g), ids
+    )
     return ids.to(torch.int32)
 
 
@@ -139,11 +145,14 @@ def _expand(kernel, key, rng, gen):
     ids = _pool_ids(rows, key.groups, rng, gen, 1 << 16)
     lengths = _lengths(rows, key.seq_lens_dtype, gen)
     width = key.groups * POOL + POOL + 4 * rng.randint(0, 2)
-    outs = [torch.full((rows, width), -7, dtype=torch.int32, device=gen.device)
-            for _ in range(2)]  # fmt: skip
+    outs = [
+        torch.full((rows, width), -7, dtype=torch.int32, device=gen.device)
+        for _ in range(2)
+    ]
     kernel.run(key, ids, lengths, outs[0], 1)
-    kpool_compress.expand_pools_and_append_tail(ids, lengths, POOL, seq_offset=1,
-                                                out=outs[1])  # fmt: skip
+    kpool_compress.expand_pools_and_append_tail(
+        ids, lengths, POOL, seq_offset=1, out=outs[1]
+    )
     return (outs[0],), (outs[1],)
 
 
@@ -159,18 +168,23 @@ def _remap(kernel, key, rng, gen):
     req_ids = torch.randint(0, rows, (rows,), dtype=torch.int32, **g)
     out = torch.full((rows, key.width), -7, dtype=torch.int32, device=device)
     counts = torch.full((rows,), -7, dtype=torch.int32, device=device)
-    kernel.run(key, ids, positions, req_ids, table, out,
-               counts if key.counts else None, 1)  # fmt: skip
+    kernel.run(
+        key, ids, positions, req_ids, table, out, counts if key.counts else None, 1
+    )
     logical = torch.full((rows, key.width), -1, dtype=torch.int32, device=device)
     if expanded:
         kpool_compress.expand_pools_and_append_tail(
             ids, positions[:expanded], POOL, seq_offset=1, out=logical[:expanded]
         )
     stock = triton_convert_req_index_to_global_index(
-        req_ids, table, logical, BLOCK_SIZE=key.block_size,
-        BLOCK_STRIDE_ROWS=key.stride_rows, NUM_TOPK_TOKENS=key.width,
+        req_ids,
+        table,
+        logical,
+        BLOCK_SIZE=key.block_size,
+        BLOCK_STRIDE_ROWS=key.stride_rows,
+        NUM_TOPK_TOKENS=key.width,
         return_valid_counts=key.counts,
-    )  # fmt: skip
+    )
     if key.counts:
         return (out, counts), stock
     return (out,), (stock,)
@@ -180,13 +194,15 @@ def _upcast(kernel, key, rng, gen):
     device = gen.device
     rows, width = rng.randint(1, 16), rng.choice([8, 1000, 4096, rng.randint(1, 9000)])
     stride = width + -width % 8 + 8 * rng.randint(0, 2)
-    values = _specials(torch.randn(rows * stride, generator=gen, device=device) * 30,
-                       0.01, gen)  # fmt: skip
+    values = _specials(
+        torch.randn(rows * stride, generator=gen, device=device) * 30, 0.01, gen
+    )
     logits = values.to(torch.bfloat16).as_strided((rows, width), (stride, 1))
     ends = torch.randint(0, width + 1, (rows,), generator=gen, device=device)
     ends = ends.to(torch.int32)
-    out = torch.empty_strided((rows, width), (stride, 1), dtype=torch.float32,
-                              device=device)  # fmt: skip
+    out = torch.empty_strided(
+        (rows, width), (stride, 1), dtype=torch.float32, device=device
+    )
     kernel.run(key, logits, out, ends, upcast_kernel.CTAS)
     want = as_fp32_logits(logits, ends)
     below = torch.arange(width, device=device)[None, :] < ends[:, None]

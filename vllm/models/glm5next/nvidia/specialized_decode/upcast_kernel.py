@@ -115,6 +115,10 @@ class _UpcastKernel:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         end = ends[row]
+        # A whole 16-byte load is safe below the row's width, and below its
+        # end, which stock reads up to: the chunk that holds a row end is
+        # loaded whole, and only its stores are per element.
+        loadable = cutlass.max(end, src.shape[1])
         offset = Int64(row) * src.stride[0]
         step = splits * self.threads * 8
         start = (split * self.threads + tid) * 8
@@ -122,7 +126,7 @@ class _UpcastKernel:
             # The unrolled chunks' loads are in flight together.
             chunks = [first + k * step for k in range(self.unroll)]
             words = [
-                load_words_if(src.iterator + offset + c, 4, c + 8 <= end)
+                load_words_if(src.iterator + offset + c, 4, c + 8 <= loadable)
                 for c in chunks
             ]
             for c, w in zip(chunks, words, strict=True):
@@ -134,8 +138,18 @@ class _UpcastKernel:
                 store_words_if(dst.iterator + offset + c, values[:4], full)
                 store_words_if(dst.iterator + offset + c + 4, values[4:], full)
                 if c < end and not full:
-                    for e in cutlass.range(c, end, unroll=1):
-                        dst[row, e] = Float32(src[row, e])
+                    if c + 8 <= loadable:
+                        # Independent predicated stores: no chain of loads
+                        # at the row end (a short row's whole time).
+                        for i in cutlass.range_constexpr(8):
+                            store_words_if(
+                                dst.iterator + offset + c + i,
+                                values[i : i + 1],
+                                c + i < end,
+                            )
+                    else:  # the last chunk of a width that is not a multiple of 8
+                        for e in cutlass.range(c, end, unroll=1):
+                            dst[row, e] = Float32(src[row, e])
 
 
 class UpcastLogitsKernel(KpoolJitKernel["UpcastLogitsKernel.CompileKey"]):
