@@ -622,7 +622,8 @@ def upcast_sweep(timer: Timer, device, budget, copy_gbs: float) -> None:
     choose ``upcast_config``. Prints one line per shape and distribution."""
     from vllm.models.glm5next.nvidia.specialized_decode import upcast_kernel as U
 
-    sizes = [(1, 65536), (8, 262144), (64, 65536), (64, 262144), (256, 16384),
+    sizes = [(1, 65536), (8, 65536), (8, 262144), (32, 65536), (64, 16384),
+             (64, 65536), (64, 262144), (128, 65536), (128, 262144), (256, 16384),
              (256, 65536), (256, 262144)]  # fmt: skip
     configs = [(t, u, c) for t in (128, 256, 512) for u in (1, 2, 4)
                for c in (1024, 2048, 4096)]  # fmt: skip
@@ -650,7 +651,7 @@ def upcast_sweep(timer: Timer, device, budget, copy_gbs: float) -> None:
                 f"sweep {dist} {rows}x{width // 1024}K: stock {stock:.2f} | best "
                 f"t{best[1]}/u{best[2]}/c{best[3]} {best[0]:.2f} ({pct:.0f}% copy) | "
                 f"current {cur[0]:.2f} | "
-                + " ".join(f"t{t}u{u}c{c}:{us:.1f}" for us, t, u, c in timed[:6]),
+                + " ".join(f"t{t}u{u}c{c}:{us:.2f}" for us, t, u, c in timed),
                 flush=True,
             )
 
