@@ -40,11 +40,14 @@ def upcast_unmet(
 ) -> str | None:
     """The first requirement of ``upcast_logits`` these arguments miss, as
     "argument: expected X, got Y"; None when the kernel takes them."""
+    # Each tensor attribute read costs ~0.1 us of an eager call's ~10: read
+    # the strides once, and let the tuple stand for ndim and unit stride.
+    stride = logits.stride()
     if (
         logits.dtype != torch.bfloat16
-        or logits.ndim != 2
-        or logits.stride(1) != 1
-        or logits.stride(0) % 8
+        or len(stride) != 2
+        or stride[1] != 1
+        or stride[0] % 8
         or logits.data_ptr() % 16
     ):
         return mismatch(
@@ -55,15 +58,14 @@ def upcast_unmet(
     rows = logits.shape[0]
     if (
         row_ends.dtype != torch.int32
-        or row_ends.ndim != 1
+        or row_ends.stride() != (1,)
         or row_ends.shape[0] != rows
-        or row_ends.stride(0) != 1
     ):
         return mismatch("row_ends", f"int32 [{rows}], unit stride", layout(row_ends))
     if out is not None and (
         out.dtype != torch.float32
+        or out.stride() != stride
         or out.shape != logits.shape
-        or out.stride() != logits.stride()
         or out.data_ptr() % 16
     ):
         return mismatch(
