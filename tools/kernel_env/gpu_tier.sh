@@ -10,7 +10,7 @@
 # which is: source .device/env.sh && KPOOL_KERNEL_ONLY=1 KPOOL_STOCK=.device/stock
 #           python3 -m pytest -q tests/models/glm5next/specialized_decode \
 #               tests/models/glm5next/test_indexer_decode_steps.py -m gpu [args]
-# (-k indexer_steps: the indexer step driver alone, ~5 min).
+# (-k indexer_steps: the indexer step driver alone, 82 s on the H200).
 # The stock kernels come from .device/stock through tools/kernel_env/shim.py
 # (the root conftest installs it). With $OUT set, the log and a JUnit XML go
 # there.
