@@ -110,6 +110,12 @@ def test_expand_pools_misaligned_out():
         kpool.expand_pools(ids, torch.zeros(2, dtype=torch.int32), POOL, out=out)
 
 
+def test_expand_pools_empty_batch_launches_nothing():
+    ids, lens = torch.zeros(0, 32, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    out = torch.zeros(0, 132, dtype=torch.int32)
+    assert kpool.expand_pools(ids, lens, POOL, out=out) is out  # no CPU launch
+
+
 REMAP_CASES = {
     "pool_ids": dict(pool_ids=torch.zeros(2, 48, dtype=torch.int32)),
     "block_size": dict(block_size=6),

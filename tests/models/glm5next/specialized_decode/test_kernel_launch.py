@@ -95,6 +95,17 @@ def test_warmup_compiles_the_stage_keys_without_launching(fresh, monkeypatch):
         kpool.EXPAND.compile(kpool.ExpandPoolsKernel.CompileKey(7, torch.int32))
 
 
+def test_warmup_skips_only_the_remap_keys_the_rule_refuses(fresh):
+    """Rows wider than 4096 columns: stock with counts does not compact them
+    in column order, so only the no-counts remap is compiled."""
+    kpool, _ = fresh
+    stage = kpool.KpoolStage([], 8, "cpu")
+    stage.fuse = True
+    keys = stage.compile_keys([_attention(groups=1024, width=4224)], torch.int64)
+    remaps = [key for kernel, key in keys if kernel is kpool.REMAP]
+    assert [key.counts for key in remaps] == [False]
+
+
 @pytest.mark.gpu
 @needs_cuda()
 def test_no_compile_after_warmup_on_the_gpu(fresh):
