@@ -389,11 +389,15 @@ class Spies:
         )
 
     def upcast(self, key, logits, out, row_ends, *launch):
+        from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import (
+            upcast_config,
+        )
+
         kpool = self.kpool
         self._launch(
             "upcast", kpool.UPCAST, key, kpool.upcast_unmet(logits, row_ends, out)
         )
-        threads, unroll, *rest = kpool.upcast_config(*logits.shape)
+        threads, unroll, *rest = upcast_config(*logits.shape)
         assert (key.threads, key.unroll) == (threads, unroll), key
         assert list(launch) == rest, launch  # the launch's CTA bound
         # The columns below each row end; the kernel leaves the others.

@@ -67,6 +67,7 @@ def _check(report, decode_steps: int) -> None:
     out = os.environ.get("OUT")
     if out:
         name = report.name.replace("/", "-")
+        Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, f"indexer_steps-{name}.json").write_text(
             json.dumps(report.as_dict(), indent=1)
         )

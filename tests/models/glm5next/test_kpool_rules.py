@@ -21,6 +21,7 @@ from vllm.models.glm5next.nvidia.specialized_decode import (  # noqa: E402
     kpool,
     launch,
     remap_kernel,
+    upcast_kernel,
 )
 
 DIM, POOL = 128, 4
@@ -580,13 +581,18 @@ def test_upcast_rule_refuses(case):
 
 
 def test_upcast_config():
-    """Every configuration the launches pick is one warmup compiles."""
+    """Every configuration the launches pick is one warmup compiles, and the
+    launch built once at import is the one upcast_config picks."""
     picked = {
-        tuple(kpool.upcast_config(rows, width)[:2])
+        tuple(upcast_kernel.upcast_config(rows, width))
         for rows in (1, 3, 256, 4096)
         for width in (8, 1000, 1 << 16)
     }
-    assert picked <= set(kpool.UPCAST_VARIANTS)
+    assert {threads_unroll[:2] for threads_unroll in picked} <= set(
+        kpool.UPCAST_VARIANTS
+    )
+    key, ctas = kpool.UPCAST_LAUNCH
+    assert picked == {(key.threads, key.unroll, ctas)}
 
 
 # --- launch.py --------------------------------------------------------------
@@ -800,7 +806,7 @@ def test_upcast_logits_launch(fresh):
     out = kpool.upcast_logits(args["logits"], args["row_ends"], out=args["out"])
     assert out is args["out"]
     [key] = fresh
-    threads, unroll, *rest = kpool.upcast_config(3, 100)
+    threads, unroll, *rest = upcast_kernel.upcast_config(3, 100)
     assert key == kpool.UpcastLogitsKernel.CompileKey(threads, unroll)
     [call] = kpool.UPCAST._compiled_cache[key].calls
     assert call[:3] == (args["logits"], args["out"], args["row_ends"])

@@ -218,7 +218,10 @@ def test_every_kernel_waits_on_its_producer(ptx):
     for name, text in ptx.items():
         count = ops(text)
         assert count["griddepcontrol.wait"] == 1, name
-        assert count["griddepcontrol.launch_dependents"] == 1, name
+        # The upcast lets its dependents launch at the start of a CTA with
+        # two passes at most, else on the last pass (upcast_kernel.py).
+        triggers = 2 if name.startswith("upcast") else 1
+        assert count["griddepcontrol.launch_dependents"] == triggers, name
         assert ".local" not in text, f"{name} spills to local memory"
 
 

@@ -37,9 +37,9 @@ from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import (
 )
 from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import (
     UPCAST,
+    UPCAST_LAUNCH,
     UPCAST_VARIANTS,
     UpcastLogitsKernel,
-    upcast_config,
     upcast_unmet,
 )
 from vllm.models.glm5next.nvidia.specialized_decode.update_kernel import (
@@ -141,16 +141,17 @@ def upcast_logits(
     FP32, in ``out`` if given (else a new tensor with the strides of
     ``logits``), the other columns untouched."""
     _raise_if(upcast_unmet(logits, row_ends, out))
-    threads, unroll, ctas = upcast_config(*logits.shape)
-    return _upcast(UPCAST.key(threads, unroll), ctas, logits, row_ends, out)
+    return _upcast(*UPCAST_LAUNCH, logits, row_ends, out)
 
 
 def _upcast(compile_key, ctas, logits, row_ends, out) -> torch.Tensor:
     """The upcast launch of arguments its rule took (allocates ``out`` if
     None, as stock does)."""
     if out is None:
-        out = torch.empty_strided(
-            logits.shape, logits.stride(), dtype=torch.float32, device=logits.device
+        # One call less than torch.empty_strided(..., device=...): ~0.3 us
+        # of an eager upcast's ~10.
+        out = logits.new_empty_strided(
+            logits.shape, logits.stride(), dtype=torch.float32
         )
     if logits.numel():
         UPCAST.run(compile_key, logits, out, row_ends, ctas)
@@ -497,8 +498,7 @@ class KpoolStage:
         # Launches directly: the public function would check the rule again,
         # a third of the host time of an eager upcast.
         if upcast_unmet(logits, row_ends) is None:
-            threads, unroll, ctas = upcast_config(*logits.shape)
-            compile_key = UPCAST.key(threads, unroll)
+            compile_key, ctas = UPCAST_LAUNCH
             if UPCAST.ready(compile_key):
                 return _upcast(compile_key, ctas, logits, row_ends, None)
         return as_fp32_logits(logits, row_ends)

@@ -194,12 +194,19 @@ class _RemapKernel:
         return valid, value
 
     @cute.jit
-    def tail(self, positions, row, seq_offset, j):
-        """Whether the trailing incomplete pool has token ``j``, and its id."""
+    def tail(self, block_table, req, seq_len, max_blocks):
+        """(1 if valid else 0, physical row) of each of the trailing
+        incomplete pool's three possible tokens, computed in the dtype of
+        positions as stock's expansion."""
         wide = self.wide
-        seq_len = wide(positions[row]) + wide(seq_offset)
         tail_start = trunc_div(seq_len, POOL, wide) * POOL
-        return wide(j) < seq_len - tail_start, Int32(tail_start + j)
+        valid = [Int32(0)] * (POOL - 1)
+        value = [Int32(0)] * (POOL - 1)
+        for j in cutlass.range_constexpr(POOL - 1):
+            if wide(j) < seq_len - tail_start:
+                token = Int32(tail_start + j)
+                valid[j], value[j] = self.slot(block_table, req, token, max_blocks)
+        return valid, value
 
     @cute.kernel
     def kernel(
@@ -214,59 +221,36 @@ class _RemapKernel:
         expanded = row < pool_ids.shape[0]
         live = Int32(0)
         first = Int32(0)
+        # The thread that appends the trailing pool loads its block-table
+        # entries here, beside its own pool's, before any store: after a
+        # store they would wait for it (out may alias the table) and for
+        # each other, a chain of dependent loads (ncu: half the stalls).
+        tail_thread = self.groups - 1 if cutlass.const_expr(self.counts) else 0
+        tail_valid = [Int32(0)] * (POOL - 1)
+        tail_value = [Int32(0)] * (POOL - 1)
+        seq_len = self.wide(0)
+        if expanded and g == tail_thread:
+            seq_len = self.wide(positions[row]) + self.wide(seq_offset)
         if expanded:
             pid = Int32(pool_ids[row, g])
             # The stock expansion's int32 token ids (wrapped ones included).
             valid, value = self.slot(block_table, req, pid * POOL, max_blocks)
             if pid >= 0 and valid == 1:
                 live, first = Int32(1), value
+            if g == tail_thread:
+                tail_valid, tail_value = self.tail(
+                    block_table, req, seq_len, max_blocks
+                )
         row_out = out.iterator + Int64(row) * self.width
         if cutlass.const_expr(self.counts):
             self.compacted(
-                positions,
-                block_table,
-                out,
-                counts,
-                seq_offset,
-                row,
-                g,
-                req,
-                max_blocks,
-                expanded,
-                live,
-                first,
-                row_out,
+                out, counts, row, g, live, first, tail_valid, tail_value, row_out
             )
         else:
-            self.in_place(
-                positions,
-                block_table,
-                seq_offset,
-                row,
-                g,
-                req,
-                max_blocks,
-                expanded,
-                live,
-                first,
-                row_out,
-            )
+            self.in_place(g, live, first, tail_valid, tail_value, row_out)
 
     @cute.jit
-    def in_place(
-        self,
-        positions,
-        block_table,
-        seq_offset,
-        row,
-        g,
-        req,
-        max_blocks,
-        expanded,
-        live,
-        first,
-        row_out,
-    ):
+    def in_place(self, g, live, first, tail_valid, tail_value, row_out):
         words = [Uint32(0xFFFFFFFF)] * POOL
         if live == 1:
             words = [Uint32(first + o) for o in range(POOL)]
@@ -274,13 +258,9 @@ class _RemapKernel:
         if g == 0:
             # The trailing pool's three columns and the first -1 column.
             tail = [Uint32(0xFFFFFFFF)] * POOL
-            if expanded:
-                for j in cutlass.range_constexpr(POOL - 1):
-                    has, token = self.tail(positions, row, seq_offset, j)
-                    if has:
-                        valid, value = self.slot(block_table, req, token, max_blocks)
-                        if valid == 1:
-                            tail[j] = Uint32(value)
+            for j in cutlass.range_constexpr(POOL - 1):
+                if tail_valid[j] == 1:
+                    tail[j] = Uint32(tail_value[j])
             store_words(row_out + self.groups * POOL, tail)
         for c in cutlass.range(
             (self.groups + 1 + g) * POOL, self.width, self.groups * POOL, unroll=1
@@ -289,51 +269,43 @@ class _RemapKernel:
 
     @cute.jit
     def compacted(
-        self,
-        positions,
-        block_table,
-        out,
-        counts,
-        seq_offset,
-        row,
-        g,
-        req,
-        max_blocks,
-        expanded,
-        live,
-        first,
-        row_out,
+        self, out, counts, row, g, live, first, tail_valid, tail_value, row_out
     ):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         smem = cutlass.memory.SmemAllocator()
+        # Each warp's live pools, then the trailing pool's valid tokens: one
+        # barrier gives every thread its offset and the row's valid total.
         warp_counts = smem.allocate_tensor(Int32, cute.make_layout(self.warps + 1))
         ballot = cute.arch.vote_ballot_sync(live == 1)
         below = cute.arch.popc(ballot & ((Uint32(1) << lane) - Uint32(1)))
         if lane == 0:
             warp_counts[warp] = Int32(cute.arch.popc(ballot))
+        if g == self.groups - 1:
+            warp_counts[self.warps] = tail_valid[0] + tail_valid[1] + tail_valid[2]
         cute.arch.barrier()
-        prior = Int32(0)
-        for w in cutlass.range(warp, unroll=1):
-            prior += warp_counts[w]
+        # Lane w holds warp w's count: the pools of the warps before this
+        # one and of all warps, each a butterfly sum (at most 32 warps).
+        count = Int32(0)
+        if lane < self.warps:
+            count = warp_counts[lane]
+        earlier = Int32(0)
+        if lane < warp:
+            earlier = count
+        history = cute.arch.warp_reduction(count, lambda a, b: a + b)
+        prior = cute.arch.warp_reduction(earlier, lambda a, b: a + b)
         if live == 1:
             offset = (prior + Int32(below)) * POOL
             store_words(row_out + offset, [Uint32(first + o) for o in range(POOL)])
+        valid_total = history * POOL + warp_counts[self.warps]
         if g == self.groups - 1:
-            # The last thread knows the history total; it appends the tail.
-            total = (prior + Int32(cute.arch.popc(ballot))) * POOL
-            if expanded:
-                for j in cutlass.range_constexpr(POOL - 1):
-                    has, token = self.tail(positions, row, seq_offset, j)
-                    if has:
-                        valid, value = self.slot(block_table, req, token, max_blocks)
-                        if valid == 1:
-                            out[row, total] = value
-                            total += 1
-            counts[row] = total
-            warp_counts[self.warps] = total
-        cute.arch.barrier()
-        valid_total = warp_counts[self.warps]
+            # The last thread appends the tail after the history pools.
+            total = history * POOL
+            for j in cutlass.range_constexpr(POOL - 1):
+                if tail_valid[j] == 1:
+                    out[row, total] = tail_value[j]
+                    total += 1
+            counts[row] = valid_total
         for c in cutlass.range(valid_total + g, self.width, self.groups, unroll=1):
             out[row, c] = Int32(-1)
 

@@ -114,17 +114,27 @@ class _UpcastKernel:
         row, split, _ = cute.arch.block_idx()
         _, splits, _ = cute.arch.grid_dim()
         tid, _, _ = cute.arch.thread_idx()
+        step = splits * self.threads * 8
+        start = (split * self.threads + tid) * 8
         cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
+        # The dependent grid may launch once every CTA is on its last pass:
+        # a CTA with two passes at most (the width says so; rows can differ
+        # by one pass) lets it at once, the others on their last pass.
+        # Letting it at every CTA's start made unbalanced row ends slow
+        # (eager 256 x 64K random ends: 25.3 against 15.1 us on the H200;
+        # likely its early CTAs sit on the SMs that short rows freed while
+        # the long rows run elsewhere).
+        if split * self.threads * 8 + 2 * step * self.unroll >= src.shape[1]:
+            cute.arch.griddepcontrol_launch_dependents()
         end = ends[row]
         # A whole 16-byte load is safe below the row's width, and below its
         # end, which stock reads up to: the chunk that holds a row end is
         # loaded whole, and only its stores are per element.
         loadable = cutlass.max(end, src.shape[1])
         offset = Int64(row) * src.stride[0]
-        step = splits * self.threads * 8
-        start = (split * self.threads + tid) * 8
         for first in cutlass.range(start, end, step * self.unroll, unroll=1):
+            if first + step * self.unroll >= end:
+                cute.arch.griddepcontrol_launch_dependents()
             # The unrolled chunks' loads are in flight together.
             chunks = [first + k * step for k in range(self.unroll)]
             words = [
@@ -176,3 +186,7 @@ class UpcastLogitsKernel(KpoolJitKernel["UpcastLogitsKernel.CompileKey"]):
 
 
 UPCAST = UpcastLogitsKernel()
+# The launch of every shape, its key built once: upcast_config chooses none
+# by shape, and an eager upcast's host time is a third rule check, a third
+# the allocation and a third the launch (test_upcast_config pins the two).
+UPCAST_LAUNCH = (UPCAST.key(THREADS, UNROLL), CTAS)
