@@ -186,7 +186,7 @@ class UpcastLogitsKernel(KpoolJitKernel["UpcastLogitsKernel.CompileKey"]):
 
 
 UPCAST = UpcastLogitsKernel()
-# The launch of every shape, its key built once: upcast_config chooses none
-# by shape, and an eager upcast's host time is a third rule check, a third
-# the allocation and a third the launch (test_upcast_config pins the two).
+# The launch of every shape, its key built once (upcast_config chooses none
+# by shape; test_upcast_config pins the two): looking the key up took about
+# 1 us of an eager upcast's ~9.
 UPCAST_LAUNCH = (UPCAST.key(THREADS, UNROLL), CTAS)
