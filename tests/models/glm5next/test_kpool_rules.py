@@ -588,9 +588,7 @@ def test_upcast_config():
         for rows in (1, 3, 256, 4096)
         for width in (8, 1000, 1 << 16)
     }
-    assert {threads_unroll[:2] for threads_unroll in picked} <= set(
-        kpool.UPCAST_VARIANTS
-    )
+    assert {config[:2] for config in picked} <= set(kpool.UPCAST_VARIANTS)
     key, ctas = kpool.UPCAST_LAUNCH
     assert picked == {(key.threads, key.unroll, ctas)}
 

@@ -149,7 +149,7 @@ def _upcast(compile_key, ctas, logits, row_ends, out) -> torch.Tensor:
     None, as stock does)."""
     if out is None:
         # One call less than torch.empty_strided(..., device=...): ~0.3 us
-        # of an eager upcast's ~10.
+        # of an eager upcast's ~9 (measured on the CPU machine).
         out = logits.new_empty_strided(
             logits.shape, logits.stride(), dtype=torch.float32
         )
@@ -495,8 +495,8 @@ class KpoolStage:
 
     @staticmethod
     def upcast(logits: torch.Tensor, row_ends: torch.Tensor) -> torch.Tensor:
-        # Launches directly: the public function would check the rule again,
-        # a third of the host time of an eager upcast.
+        # Launches directly: the public function would check the rule again
+        # (about 1.7 us of an eager upcast's ~9, on the CPU machine).
         if upcast_unmet(logits, row_ends) is None:
             compile_key, ctas = UPCAST_LAUNCH
             if UPCAST.ready(compile_key):
