@@ -617,16 +617,16 @@ def event_time_us(dst, src, reps: int = 20) -> float:
 
 
 def upcast_sweep(timer: Timer, device, budget, copy_gbs: float) -> None:
-    """Times the upcast kernel's (threads, unroll, most CTAs) configurations
-    for each row-end distribution, against stock and as % of the copy, to
-    choose ``upcast_config``. Prints one line per shape and distribution."""
+    """Times the upcast kernel with each bound on its CTAs, for each row-end
+    distribution, against stock and as % of the copy, to choose
+    ``upcast_config``. Prints one line per shape and distribution."""
     from vllm.models.glm5next.nvidia.specialized_decode import upcast_kernel as U
 
     sizes = [(1, 65536), (8, 65536), (8, 262144), (32, 65536), (64, 16384),
              (64, 65536), (64, 262144), (128, 65536), (128, 262144), (256, 16384),
              (256, 65536), (256, 262144)]  # fmt: skip
-    configs = [(t, u, c) for t in (128, 256, 512) for u in (1, 2, 4)
-               for c in (1024, 2048, 4096)]  # fmt: skip
+    bounds = (512, 1024, 2048, 4096)
+    key = U.UPCAST_LAUNCH[0]
     gen = torch.Generator().manual_seed(1)
     for dist in DISTS:
         for rows, width in sizes:
@@ -636,22 +636,21 @@ def upcast_sweep(timer: Timer, device, budget, copy_gbs: float) -> None:
                 [lambda s=s: K.as_fp32_logits(s[0], s[1]) for s in sets]
             )[0]
             timed = []
-            for threads, unroll, ctas in configs:
-                key = U.UPCAST.key(threads, unroll)
+            for ctas in bounds:
                 fns = [
-                    lambda s=s, k=key, c=ctas: U.UPCAST.run(k, s[0], s[2], s[1], c)
+                    lambda s=s, c=ctas: U.UPCAST.run(key, s[0], s[2], s[1], c)
                     for s in sets
                 ]
-                timed.append((timer.graph(fns)[0], threads, unroll, ctas))
+                timed.append((timer.graph(fns)[0], ctas))
             timed.sort()
             best = timed[0]
-            cur = next(t for t in timed if t[1:] == U.upcast_config(rows, width))
+            cur = next(t for t in timed if t[1] == U.upcast_config(rows, width))
             pct = 100 * moved / (best[0] * 1e3) / copy_gbs
             print(
                 f"sweep {dist} {rows}x{width // 1024}K: stock {stock:.2f} | best "
-                f"t{best[1]}/u{best[2]}/c{best[3]} {best[0]:.2f} ({pct:.0f}% copy) | "
+                f"c{best[1]} {best[0]:.2f} ({pct:.0f}% copy) | "
                 f"current {cur[0]:.2f} | "
-                + " ".join(f"t{t}u{u}c{c}:{us:.2f}" for us, t, u, c in timed),
+                + " ".join(f"c{c}:{us:.2f}" for us, c in timed),
                 flush=True,
             )
 

@@ -397,9 +397,8 @@ class Spies:
         self._launch(
             "upcast", kpool.UPCAST, key, kpool.upcast_unmet(logits, row_ends, out)
         )
-        threads, unroll, *rest = upcast_config(*logits.shape)
-        assert (key.threads, key.unroll) == (threads, unroll), key
-        assert list(launch) == rest, launch  # the launch's CTA bound
+        assert key == kpool.UpcastLogitsKernel.CompileKey(), key
+        assert list(launch) == [upcast_config(*logits.shape)], launch  # CTA bound
         # The columns below each row end; the kernel leaves the others.
         below = torch.arange(logits.shape[1])[None, :] < row_ends[:, None]
         out[below] = STOCK_UPCAST(logits, row_ends)[below]

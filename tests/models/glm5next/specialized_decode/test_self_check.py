@@ -67,7 +67,7 @@ def keys_for(kpool):
             8, 16, 16 * (DIM + 4), 2 * 8 * DIM, 8 * DIM, False, True, i64, i64, i32)),
         (kpool.EXPAND, kpool.ExpandPoolsKernel.CompileKey(32, i64)),
         (kpool.REMAP, kpool.ExpandRemapKernel.CompileKey(32, 256, 64, 64, i64, True)),
-        (kpool.UPCAST, kpool.UpcastLogitsKernel.CompileKey(128, 1)),
+        (kpool.UPCAST, kpool.UpcastLogitsKernel.CompileKey()),
     ]  # fmt: skip
 
 

@@ -15,9 +15,16 @@ pytestmark = [pytest.mark.gpu, needs_cuda()]
 def check_case(rng, gen) -> str | None:
     from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits
     from vllm.models.glm5next.nvidia.specialized_decode.kpool import upcast_logits
+    from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import (
+        GROUP_ROWS,
+    )
 
     device = gen.device
-    rows = rng.choice([1, 2, 3, 64, 256, rng.randint(1, 256)])
+    # The tiles past each row's first are dealt out within groups of
+    # GROUP_ROWS rows: one group, several, a last group of one row.
+    rows = rng.choice(
+        [1, 2, 3, GROUP_ROWS, GROUP_ROWS + 1, 256, rng.randint(1, 256), 1500]
+    )
     width = rng.choice([1, 7, 8, 1000, 16384, 65536, rng.randint(1, 70_000)])
     if rows * width > 1 << 24:
         width = (1 << 24) // rows

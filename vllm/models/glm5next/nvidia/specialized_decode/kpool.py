@@ -38,7 +38,6 @@ from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import (
 from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import (
     UPCAST,
     UPCAST_LAUNCH,
-    UPCAST_VARIANTS,
     UpcastLogitsKernel,
     upcast_unmet,
 )
@@ -562,8 +561,7 @@ class KpoolStage:
                         groups, width, *layout, positions_dtype, counts
                     )
                     keys[REMAP, key] = None
-        for threads, unroll in UPCAST_VARIANTS:
-            keys[UPCAST, UpcastLogitsKernel.CompileKey(threads, unroll)] = None
+        keys[UPCAST, UpcastLogitsKernel.CompileKey()] = None
         return list(keys)
 
 

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``as_fp32_logits`` as a CuTe DSL kernel: BF16 logits below each row end
-converted to FP32 with 16-byte accesses, DeepGEMM's row stride kept."""
+converted to FP32 (8-byte loads, 16-byte stores that a warp lays side by
+side), DeepGEMM's row stride kept, the tiles of long rows spread over the
+CTAs of short ones."""
 
 from dataclasses import dataclass
 
@@ -24,15 +26,16 @@ from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
     unpack_bf16,
 )
 
-# 128-thread CTAs, one 16-byte load in flight per thread, at most 1024 CTAs:
-# the row ends are device data, so the shape alone chooses, and this is the
-# one configuration that is best or near it for full, random and short row
-# ends alike (tools/bench_kpool.py --upcast-sweep on the H200: 256 x 256K full
-# rows 108.8 us against 136.0 with 512 threads and 4096 CTAs; short rows of
-# 256K pay 1.8 us against 5.8).
-THREADS, UNROLL, CTAS = 128, 1, 1024
-# Every (threads, unroll) upcast_config picks: the warmup compiles them all.
-UPCAST_VARIANTS = ((THREADS, UNROLL),)
+# 128-thread CTAs of 1024-element tiles, at most 1024 CTAs: the row ends are
+# device data, so the shape alone chooses (tools/bench_kpool.py --upcast-sweep
+# on the H200). More CTAs cost short rows their launch (2048 CTAs: 3.0 us
+# against 1.8 for 64 x 64K short rows).
+THREADS, CTAS = 128, 1024
+TILE = THREADS * 8
+TILE_SHIFT = TILE.bit_length() - 1
+# The tiles of each group of this many rows (a warp's lanes) past their
+# first tile are dealt out over the group's CTAs.
+GROUP_ROWS = 32
 
 
 def upcast_unmet(
@@ -76,19 +79,19 @@ def upcast_unmet(
     return None
 
 
-def upcast_config(rows: int, width: int) -> tuple[int, int, int]:
-    """(threads, unroll, most CTAs) of the upcast of ``rows`` x ``width``
-    logits; the row ends are device data, so only the shape can choose."""
-    del rows, width  # one configuration serves every shape (measured)
-    return THREADS, UNROLL, CTAS
+def upcast_config(rows: int, width: int) -> int:
+    """The most CTAs of the upcast of ``rows`` x ``width`` logits; the row
+    ends are device data, so only the shape can choose."""
+    del rows, width  # one CTA count serves every shape (measured)
+    return CTAS
 
 
 class _UpcastKernel:
-    """CTA ``(row, split)`` converts the row's 8-element chunks ``split``,
-    ``split + splits``, ... below the row end."""
-
-    def __init__(self, key: "UpcastLogitsKernel.CompileKey"):
-        self.threads, self.unroll = key.threads, key.unroll
+    """Converts the logits in tiles of ``TILE`` columns of one row, below the
+    row end. CTA ``(row, split)`` first takes its row's tile ``split``, as
+    stock does; the tiles past each row's first ``splits`` are then dealt out
+    in row order over the CTAs of the row's group of ``GROUP_ROWS`` rows, so
+    that a long row does not keep its CTAs busy while short rows' idle."""
 
     @cute.jit
     def __call__(
@@ -100,11 +103,10 @@ class _UpcastKernel:
         stream: cuda.CUstream,
     ):
         rows, width = src.shape
-        chunk = self.threads * 8
-        splits = cutlass.min((width + chunk - 1) // chunk, cutlass.max(1, ctas // rows))
+        splits = cutlass.min((width + TILE - 1) // TILE, cutlass.max(1, ctas // rows))
         self.kernel(src, dst, ends).launch(
             grid=(rows, splits, 1),
-            block=(self.threads, 1, 1),
+            block=(THREADS, 1, 1),
             stream=stream,
             use_pdl=True,
         )
@@ -112,69 +114,146 @@ class _UpcastKernel:
     @cute.kernel
     def kernel(self, src: cute.Tensor, dst: cute.Tensor, ends: cute.Tensor):
         row, split, _ = cute.arch.block_idx()
-        _, splits, _ = cute.arch.grid_dim()
-        tid, _, _ = cute.arch.thread_idx()
-        step = splits * self.threads * 8
-        start = (split * self.threads + tid) * 8
+        rows, splits, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        group = row - row % GROUP_ROWS
         cute.arch.griddepcontrol_wait()
-        # The dependent grid may launch once every CTA is on its last pass:
-        # a CTA with two passes at most (the width says so; rows can differ
-        # by one pass) lets it at once, the others on their last pass.
-        # Letting it at every CTA's start made unbalanced row ends slow
-        # (eager 256 x 64K random ends: 25.3 against 15.1 us on the H200;
-        # likely its early CTAs sit on the SMs that short rows freed while
-        # the long rows run elsewhere).
-        if split * self.threads * 8 + 2 * step * self.unroll >= src.shape[1]:
+        # The dependent grid may launch once every CTA is on its last tile.
+        # Where the width gives each CTA two tiles at most (a row's first
+        # splits, then at most one of the rest), at once: a trigger after
+        # the row ends' load cost 8 x 256K short rows 0.15 us on the H200.
+        if 2 * splits * TILE >= src.shape[1]:
             cute.arch.griddepcontrol_launch_dependents()
-        end = ends[row]
-        # A whole 16-byte load is safe below the row's width, and below its
-        # end, which stock reads up to: the chunk that holds a row end is
-        # loaded whole, and only its stores are per element.
+        # Lane l of every warp holds the end of the group's row l: one load.
+        lane_end = Int32(
+            load_words_if(ends.iterator + group + lane, 1, group + lane < rows)[0]
+        )
+        end = cute.arch.shuffle_sync(lane_end, offset=row - group)
+        # Else here if this CTA's row has no tile for it past the first (the
+        # other CTAs' triggers, which come later, decide; triggering only
+        # after the first tile cost short rows 0.7 us).
+        if (split + splits) * TILE >= end:
+            cute.arch.griddepcontrol_launch_dependents()
+        # Each lane's row's tiles past the first splits: ceil(end / TILE) -
+        # splits, without overflow near 2^31.
+        count = Int32(0)
+        if lane_end > splits * TILE:
+            count = ((lane_end - 1) >> TILE_SHIFT) + 1 - splits
+        more = cute.arch.vote_ballot_sync(count > 0) != 0
+        lane_first, rest = Int32(0), Int32(0)
+        # While the first tile's loads fly (where the compiler leaves it), if
+        # any row has more tiles, the group's tiles before each row.
+        loaded = self.load_tile(src, row, split * TILE, end)
+        if more:
+            lane_first, rest = self.scan(count)
+        self.store_tile(src, dst, row, split * TILE, end, loaded)
+        # (Without more tiles every CTA of the group let the dependent grid
+        # launch above: its row's tiles past the first were none.)
+        if more:
+            self.rest_tiles(src, dst, lane_end, lane_first, rest, group)
+
+    @cute.jit
+    def scan(self, count: Int32):
+        """The group's tiles past the rows' first before each lane's row,
+        and in all its rows (an inclusive scan over the lanes)."""
+        lane = cute.arch.lane_idx()
+        upto = count
+        for o in cutlass.range_constexpr(5):
+            below = cute.arch.shuffle_sync_up(upto, offset=1 << o, mask_and_clamp=0)
+            if lane >= (1 << o):
+                upto += below
+        return upto - count, cute.arch.shuffle_sync(upto, offset=GROUP_ROWS - 1)
+
+    @cute.jit
+    def rest_tiles(self, src, dst, lane_end, lane_first, rest, group):
+        """The group's CTA ``cta`` takes its tiles past the rows' first
+        ``cta``, ``cta + ctas``, ...: every CTA has as many as the others,
+        give or take one, so one with one at most lets the dependent grid
+        launch now, the others on their last."""
+        row, split, _ = cute.arch.block_idx()
+        rows, splits, _ = cute.arch.grid_dim()
+        cta = (row - group) * splits + split
+        ctas = cutlass.min(GROUP_ROWS, rows - group) * splits
+        if cta + ctas >= rest:
+            cute.arch.griddepcontrol_launch_dependents()
+        owner = self.owner(lane_first, cta)
+        for t in cutlass.range(cta, rest, ctas, unroll=1):
+            if t + ctas >= rest:
+                cute.arch.griddepcontrol_launch_dependents()
+            t_row = group + owner
+            first = (
+                splits + t - cute.arch.shuffle_sync(lane_first, offset=owner)
+            ) * TILE
+            t_end = cute.arch.shuffle_sync(lane_end, offset=owner)
+            loaded = self.load_tile(src, t_row, first, t_end)
+            # The next tile's row, found while this tile's loads fly.
+            owner = self.owner(lane_first, t + ctas)
+            self.store_tile(src, dst, t_row, first, t_end, loaded)
+
+    @cute.jit
+    def owner(self, lane_first: Int32, tile: Int32) -> Int32:
+        """The lane of the row that holds the group's tile ``tile``: the last
+        whose first tile is at most ``tile`` (rows without tiles share the
+        next row's first tile; lanes past the rows start at the total)."""
+        taken = cute.arch.vote_ballot_sync(lane_first <= tile)
+        return Int32(31) - Int32(cute.arch.clz(taken))
+
+    @cute.jit
+    def load_tile(self, src: cute.Tensor, row: Int32, first: Int32, end: Int32):
+        """The words of the tile of ``row`` from column ``first`` below
+        ``end``: each thread two runs of 4 columns, so that a warp's 16-byte
+        stores cover 512 contiguous bytes (with one 16-byte load a thread, a
+        store fills half of each of 32 sectors: full rows took up to 13 %
+        longer with 1024 CTAs and 32-35 % with 2048, on the H200)."""
+        tid, _, _ = cute.arch.thread_idx()
+        # A whole load is safe below the row's width, and below its end,
+        # which stock reads up to: the run that holds a row end is loaded
+        # whole, and only its stores are per element.
+        below = cutlass.min(end, cutlass.max(end, src.shape[1]) - 3)
+        offset = Int64(row) * src.stride[0]
+        return [
+            load_words_if(src.iterator + offset + c, 2, c < below)
+            for c in (first + tid * 4, first + (THREADS + tid) * 4)
+        ]
+
+    @cute.jit
+    def store_tile(self, src, dst, row, first, end, loaded):
+        tid, _, _ = cute.arch.thread_idx()
         loadable = cutlass.max(end, src.shape[1])
         offset = Int64(row) * src.stride[0]
-        for first in cutlass.range(start, end, step * self.unroll, unroll=1):
-            if first + step * self.unroll >= end:
-                cute.arch.griddepcontrol_launch_dependents()
-            # The unrolled chunks' loads are in flight together.
-            chunks = [first + k * step for k in range(self.unroll)]
-            words = [
-                load_words_if(src.iterator + offset + c, 4, c + 8 <= loadable)
-                for c in chunks
-            ]
-            for c, w in zip(chunks, words, strict=True):
-                full = c + 8 <= end
-                values = []
-                for i in cutlass.range_constexpr(4):
-                    lo, hi = unpack_bf16(w[i])
-                    values += [float_bits(lo), float_bits(hi)]
-                store_words_if(dst.iterator + offset + c, values[:4], full)
-                store_words_if(dst.iterator + offset + c + 4, values[4:], full)
-                if c < end and not full:
-                    if c + 8 <= loadable:
-                        # Independent predicated stores: no chain of loads
-                        # at the row end (a short row's whole time).
-                        for i in cutlass.range_constexpr(8):
-                            store_words_if(
-                                dst.iterator + offset + c + i,
-                                values[i : i + 1],
-                                c + i < end,
-                            )
-                    else:  # the last chunk of a width that is not a multiple of 8
-                        for e in cutlass.range(c, end, unroll=1):
-                            dst[row, e] = Float32(src[row, e])
+        runs = (first + tid * 4, first + (THREADS + tid) * 4)
+        for c, w in zip(runs, loaded, strict=True):
+            full = c + 4 <= end
+            values = []
+            for i in cutlass.range_constexpr(2):
+                lo, hi = unpack_bf16(w[i])
+                values += [float_bits(lo), float_bits(hi)]
+            store_words_if(dst.iterator + offset + c, values, full)
+            if c < end and not full:
+                if c + 4 <= loadable:
+                    # Independent predicated stores: no chain of loads at
+                    # the row end (a short row's whole time).
+                    for i in cutlass.range_constexpr(4):
+                        store_words_if(
+                            dst.iterator + offset + c + i,
+                            values[i : i + 1],
+                            c + i < end,
+                        )
+                else:  # the last run of a width that is not a multiple of 4
+                    for e in cutlass.range(c, end, unroll=1):
+                        dst[row, e] = Float32(src[row, e])
 
 
 class UpcastLogitsKernel(KpoolJitKernel["UpcastLogitsKernel.CompileKey"]):
-    """The compiled ``_UpcastKernel`` executors, one per CTA size and unroll."""
+    """The compiled ``_UpcastKernel`` executor (one serves every shape)."""
 
     @dataclass(frozen=True)
     class CompileKey:
-        threads: int
-        unroll: int
+        pass
 
     @staticmethod
     def kernel(compile_key: CompileKey) -> _UpcastKernel:
-        return _UpcastKernel(compile_key)
+        return _UpcastKernel()
 
     def warmup_inputs(self, compile_key: CompileKey) -> tuple:
         rows, width = cute.sym_int(), cute.sym_int()
@@ -189,4 +268,4 @@ UPCAST = UpcastLogitsKernel()
 # The launch of every shape, its key built once (upcast_config chooses none
 # by shape; test_upcast_config pins the two): looking the key up took about
 # 1 us of an eager upcast's ~9.
-UPCAST_LAUNCH = (UPCAST.key(THREADS, UNROLL), CTAS)
+UPCAST_LAUNCH = (UPCAST.key(), CTAS)
