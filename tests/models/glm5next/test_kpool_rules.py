@@ -803,11 +803,10 @@ def test_upcast_logits_launch(fresh):
     out = kpool.upcast_logits(args["logits"], args["row_ends"], out=args["out"])
     assert out is args["out"]
     [key] = fresh
-    rest = [upcast_kernel.upcast_config(3, 100)]
     assert key == kpool.UpcastLogitsKernel.CompileKey()
     [call] = kpool.UPCAST._compiled_cache[key].calls
     assert call[:3] == (args["logits"], args["out"], args["row_ends"])
-    assert list(call[3:]) == rest
+    assert list(call[3:]) == [upcast_kernel.upcast_config(3, 100)]
     made = kpool.upcast_logits(args["logits"], args["row_ends"])
     assert made.dtype == torch.float32 and made.shape == (3, 100)
     assert made.stride() == (104, 1)

@@ -119,9 +119,10 @@ class _UpcastKernel:
         group = row - row % GROUP_ROWS
         cute.arch.griddepcontrol_wait()
         # The dependent grid may launch once every CTA is on its last tile.
-        # Where the width gives each CTA two tiles at most (a row's first
-        # splits, then at most one of the rest), at once: a trigger after
-        # the row ends' load cost 8 x 256K short rows 0.15 us on the H200.
+        # Where the width gives each CTA about two tiles at most (a row's
+        # first, then one of the rest; one more where ends run into the row
+        # padding), at once: a trigger after the row ends' load cost 8 x 256K
+        # short rows 0.15 us on the H200.
         if 2 * splits * TILE >= src.shape[1]:
             cute.arch.griddepcontrol_launch_dependents()
         # Lane l of every warp holds the end of the group's row l: one load.
@@ -141,8 +142,9 @@ class _UpcastKernel:
             count = ((lane_end - 1) >> TILE_SHIFT) + 1 - splits
         more = cute.arch.vote_ballot_sync(count > 0) != 0
         lane_first, rest = Int32(0), Int32(0)
-        # While the first tile's loads fly (where the compiler leaves it), if
-        # any row has more tiles, the group's tiles before each row.
+        # Between the first tile's loads and its stores, if any row has more
+        # tiles, the group's tiles before each row (ptxas for SM90 moves the
+        # stores up: the scan, ~0.1 us, then waits for them).
         loaded = self.load_tile(src, row, split * TILE, end)
         if more:
             lane_first, rest = self.scan(count)
