@@ -239,9 +239,8 @@ def test_wide_accesses(ptx, name, store):
 
 
 def test_upcast_accesses(ptx):
-    name = "upcast"
     # A thread's two runs of 4 columns a tile (the first tile and the
     # loop's): 8-byte loads, 16-byte stores that a warp lays side by side.
-    count = ops(ptx[name])
-    assert count["ld.global.nc.v2.b32"] == count["st.global.v4.b32"] == 4, name
-    assert count["ld.global.nc.v4.b32"] == 0, name
+    count = ops(ptx["upcast"])
+    assert count["ld.global.nc.v2.b32"] == count["st.global.v4.b32"] == 4
+    assert count["ld.global.nc.v4.b32"] == 0

@@ -27,9 +27,9 @@ from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
 )
 
 # 128-thread CTAs of 1024-element tiles, at most 1024 CTAs: the row ends are
-# device data, so the shape alone chooses (tools/bench_kpool.py --upcast-sweep
-# on the H200). More CTAs cost short rows their launch (2048 CTAs: 3.0 us
-# against 1.8 for 64 x 64K short rows).
+# device data, so the shape alone chooses. More CTAs cost short rows their
+# launch (2048 CTAs: 3.0 us against 1.8 for 64 x 64K short rows on the H200;
+# tools/bench_kpool.py --upcast-sweep times the bounds).
 THREADS, CTAS = 128, 1024
 TILE = THREADS * 8
 TILE_SHIFT = TILE.bit_length() - 1
