@@ -625,7 +625,7 @@ def upcast_sweep(timer: Timer, device, budget, copy_gbs: float) -> None:
     sizes = [(1, 65536), (8, 65536), (8, 262144), (32, 65536), (64, 16384),
              (64, 65536), (64, 262144), (128, 65536), (128, 262144), (256, 16384),
              (256, 65536), (256, 262144)]  # fmt: skip
-    bounds = (512, 1024, 2048, 4096)
+    bounds = (256, 384, 512, 768, 1024)
     key = U.UPCAST_LAUNCH[0]
     gen = torch.Generator().manual_seed(1)
     for dist in DISTS:

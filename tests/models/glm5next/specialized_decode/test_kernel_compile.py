@@ -185,7 +185,10 @@ def test_update_ptx(ptx, mx, round_scale):
     count = ops(text)
     # The four fused-multiply-adds of each dimension, in pool order.
     assert count["fma.rn.f32"] >= 16
-    assert count["shfl.sync.bfly.b32"] >= 20, "butterflies 4..64 and the amax"
+    assert count["shfl.sync.bfly.b32"] == 20, "butterflies 4..64, four values each"
+    # The amax: one integer reduction of |x|'s bits, NaNs dropped as fmax does.
+    assert count["redux.sync.max.s32"] == 1
+    assert re.search(r"setp\.gt\.u32 [^;]*0x7f800000;", text), "NaN as 0"
     if mx:
         assert "16843009" in text or "0x01010101" in text.lower(), "UE8M0 x4 bytes"
 

@@ -17,6 +17,7 @@ def check_case(rng, gen) -> str | None:
     from vllm.models.glm5next.nvidia.specialized_decode.kpool import upcast_logits
     from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import (
         GROUP_ROWS,
+        TILE,
     )
 
     device = gen.device
@@ -40,6 +41,9 @@ def check_case(rng, gen) -> str | None:
     ends = torch.randint(0, width + 1, (rows,), generator=gen, device=device)
     draw = torch.rand(rows, generator=gen, device=device)
     ends[draw < 0.2] = width
+    # Short rows, the usual decode step: ends a few tiles into a wide row.
+    short = torch.randint(0, 3 * TILE, (rows,), generator=gen, device=device)
+    ends = torch.where((draw >= 0.2) & (draw < 0.4), short.clamp(max=width), ends)
     ends[draw > 0.97] = -torch.randint(1, 2**31, (1,), generator=gen, device=device)
     # Stock converts up to the end even past the width, into the row padding
     # (never past the last row: stock's output ends at its width).

@@ -202,6 +202,17 @@ def round_bf16(value):
     return code, "=f,f", (Float32(value),)
 
 
+@inline_ptx(Int32, pure=True)
+def magnitude_bits(value):
+    """The bits of ``|value|``, 0 for a NaN: an integer whose order is that
+    of the magnitudes, as ``fmax`` (which drops NaNs) orders them."""
+    code = (
+        "{ .reg .pred nan; and.b32 $0,$1,0x7fffffff; "
+        "setp.gt.u32 nan,$0,0x7f800000; @nan mov.b32 $0,0; }"
+    )
+    return code, "=r,r", (float_bits(value),)
+
+
 @inline_ptx(Float32, pure=True)
 def ceil(value):
     return "cvt.rpi.f32.f32 $0,$1;", "=f,f", (Float32(value),)

@@ -26,11 +26,15 @@ from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
     unpack_bf16,
 )
 
-# 128-thread CTAs of 1024-element tiles, at most 1024 CTAs: the row ends are
-# device data, so the shape alone chooses. More CTAs cost short rows their
-# launch (2048 CTAs: 3.0 us against 1.8 for 64 x 64K short rows on the H200;
-# tools/bench_kpool.py --upcast-sweep times the bounds).
-THREADS, CTAS = 128, 1024
+# 256-thread CTAs of 2048-element tiles, at most 512 CTAs: the row ends are
+# device data, so the shape alone chooses. A grid's fixed cost grows with its
+# CTAs even where they have nothing to do (an empty kernel of this grid took
+# 1.3 us with 512 CTAs and 1.8 with 1024 on the H200), and rows that end far
+# below the width, the usual decode step (the width is max_model_len), are
+# mostly that cost: 8 x 256K short rows took 1.88 us with 1024 CTAs of 128
+# threads, 1.44 with these; full rows 0-3 % longer (same threads, coarser
+# tiles). tools/bench_kpool.py --upcast-sweep times the bounds.
+THREADS, CTAS = 256, 512
 TILE = THREADS * 8
 TILE_SHIFT = TILE.bit_length() - 1
 # The tiles of each group of this many rows (a warp's lanes) past their
@@ -206,7 +210,8 @@ class _UpcastKernel:
         ``end``: each thread two runs of 4 columns, so that a warp's 16-byte
         stores cover 512 contiguous bytes (with one 16-byte load a thread, a
         store fills half of each of 32 sectors: full rows took up to 13 %
-        longer with 1024 CTAs and 32-35 % with 2048, on the H200)."""
+        longer with 1024 CTAs of 128 threads and 32-35 % with 2048, on the
+        H200)."""
         tid, _, _ = cute.arch.thread_idx()
         # A whole load is safe below the row's width, and below its end,
         # which stock reads up to: the run that holds a row end is loaded

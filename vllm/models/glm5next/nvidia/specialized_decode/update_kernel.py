@@ -35,6 +35,7 @@ from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
     float_bits,
     fma,
     load_words,
+    magnitude_bits,
     pack_fp8,
     round_bf16,
     store_words,
@@ -256,15 +257,15 @@ class _UpdateKernel:
                     x[i] = other - x[i]
                 else:
                     x[i] = x[i] + other
-        amax = Float32(0.0)
+        # Stock's amax is a tree of fmax, which drops NaNs. The bits of |x|
+        # order as its values do, so with NaNs as 0 one integer warp
+        # reduction gives the same amax as five rounds of shuffles.
+        magnitude = Int32(0)
         for i in cutlass.range_constexpr(4):
             x[i] = round_bf16(x[i] * Float32(INV_SQRT_DIM))
-            amax = cute.arch.fmax(amax, cute.arch.fmax(x[i], -x[i]))
-        for shift in cutlass.range_constexpr(5):
-            amax = cute.arch.fmax(
-                amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << shift)
-            )
-        amax = cute.arch.fmax(amax, Float32(1e-4))
+            magnitude = cutlass.max(magnitude, magnitude_bits(x[i]))
+        magnitude = cute.arch.warp_redux_sync(magnitude, "max")
+        amax = cute.arch.fmax(bits_float(magnitude), Float32(1e-4))
         ratio = amax * Float32(1.0 / FP8_MAX)
         scale = ratio
         exponent = Int32(0)
