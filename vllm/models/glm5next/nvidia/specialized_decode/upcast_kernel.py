@@ -28,12 +28,13 @@ from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
 
 # 256-thread CTAs of 2048-element tiles, at most 512 CTAs: the row ends are
 # device data, so the shape alone chooses. A grid's fixed cost grows with its
-# CTAs even where they have nothing to do (an empty kernel of this grid took
-# 1.3 us with 512 CTAs and 1.8 with 1024 on the H200), and rows that end far
-# below the width, the usual decode step (the width is max_model_len), are
-# mostly that cost: 8 x 256K short rows took 1.88 us with 1024 CTAs of 128
-# threads, 1.44 with these; full rows 0-3 % longer (same threads, coarser
-# tiles). tools/bench_kpool.py --upcast-sweep times the bounds.
+# CTAs even where they have nothing to do (a kernel of 128-thread CTAs that
+# only read their row ends took 1.3 us with 512 CTAs and 1.8 with 1024 on the
+# H200, graph-replayed), and rows that end far below the width, the usual
+# decode step (the width is max_model_len), are mostly that cost: 8 x 256K
+# short rows took 1.88 us with 1024 CTAs of 128 threads, 1.44 with these;
+# full rows 0-3 % longer (same threads, coarser tiles).
+# tools/bench_kpool.py --upcast-sweep times the bounds.
 THREADS, CTAS = 256, 512
 TILE = THREADS * 8
 TILE_SHIFT = TILE.bit_length() - 1
