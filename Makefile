@@ -1,15 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
-#   make test    .venv with vllm==0.33.0 and its pins (reused while its marker
+#   make test    .venv with vllm==<base> and its pins (reused while its marker
 #                matches), the stock wheel in build/cache, then pytest
-#   make wheel   dist/vllm-0.33.0+glm5next.kpool<N>-cp38-abi3-manylinux_2_28_x86_64.whl
-#   make lint    ruff check + ruff format --check
+#   make wheel   dist/vllm-<base>+glm5next.kpool<N>-<tags>.whl
+#   make lint    ruff check + ruff format --check (build/venv-lint: ruff only)
 #   make mutate  mutation testing of the kpool stage's host code (tools/mutate.py)
 #   make clean   remove build/ and dist/ (make distclean: .venv too)
 #
-# Variables: PYTHON (default python3), PYTEST_ARGS (e.g. -m 'not slow'),
-# WHEEL_ARGS (e.g. --wheel /path/to/vllm-0.33.0-...whl), MUTATE_ARGS.
+# Base vLLM: <base> (vllm_version in patches/base.json). Variables: PYTHON
+# (default python3), PYTEST_ARGS (e.g. -m 'not slow'), WHEEL_ARGS (e.g.
+# --wheel /path/to/vllm-<base>-...whl), MUTATE_ARGS.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -17,10 +18,19 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 VENV_MARKER := $(VENV)/.kpool-pins
+# The pinned base, from patches/base.json (the one place it is written).
+BASE_VERSION := $(shell sed -n 's/^ *"vllm_version": *"\([^"]*\)".*/\1/p' patches/base.json)
+ifeq ($(BASE_VERSION),)
+$(error patches/base.json: no "vllm_version" found; expected a line like "vllm_version": "0.33.0")
+endif
 PIP_PIN := pip==26.3
-PINS := vllm==0.33.0 pytest==9.1.1 ruff==0.17.6 wheel==0.48.0
-WHEEL_VENV := build/venv-wheel
+RUFF_PIN := ruff==0.17.6
 WHEEL_PIN := wheel==0.48.0
+PINS := vllm==$(BASE_VERSION) pytest==9.1.1 $(RUFF_PIN) $(WHEEL_PIN)
+WHEEL_VENV := build/venv-wheel
+# ruff alone, so that `make lint` needs neither vLLM nor the main venv.
+LINT_VENV := build/venv-lint
+LINT_MARKER := $(LINT_VENV)/.pins-$(subst ==,-,$(RUFF_PIN))
 PYTEST_ARGS ?=
 WHEEL_ARGS ?=
 # The mutation tool and the coverage it selects tests by (make mutate only).
@@ -31,7 +41,7 @@ MUTATE_ARGS ?=
 .DEFAULT_GOAL := help
 
 help:
-	@sed -n '4,13p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,14p' Makefile | sed 's/^# \{0,1\}//; s/<base>/$(BASE_VERSION)/g'
 
 venv:
 	@want="$(PIP_PIN) $(PINS) python=$$($(PYTHON) -c 'import sys; print(sys.version.split()[0])')"; \
@@ -66,9 +76,14 @@ wheel: $(WHEEL_VENV)/.ok
 	@start=$$SECONDS; $(WHEEL_VENV)/bin/python tools/build_wheel.py $(WHEEL_ARGS); \
 	echo "== make wheel: $$((SECONDS - start)) s"
 
-lint: venv
-	$(VPY) -m ruff check .
-	$(VPY) -m ruff format --check .
+$(LINT_MARKER):
+	@rm -rf $(LINT_VENV) && $(PYTHON) -m venv $(LINT_VENV)
+	@$(LINT_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+	  $(RUFF_PIN) && touch $@
+
+lint: $(LINT_MARKER)
+	$(LINT_VENV)/bin/ruff check .
+	$(LINT_VENV)/bin/ruff format --check .
 
 # Not part of `make test` (.ci/run): about half an hour on 2 cores.
 mutate: venv

@@ -6,7 +6,7 @@
   ``TRITON_INTERPRET=1`` and ``CUDA_VISIBLE_DEVICES=""`` so the stock Triton
   kernels run on the CPU (vLLM turns Triton off on a GPU-less machine unless
   ``CUDA_VISIBLE_DEVICES`` is the empty string).
-- Makes the PATCHED vllm importable: ``tools.patchset.build_overlay`` builds
+- Makes the PATCHED vllm importable: ``tools.overlay.build_overlay`` builds
   (once per patch set / stock install, cached in ``build/overlay/<key>/``) a
   hard-link copy of the installed stock ``vllm`` with the patch set applied.
   Its dir is prepended to ``sys.path`` and ``PYTHONPATH`` and exported as
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tools import patchset  # noqa: E402
+from tools import overlay  # noqa: E402
 
 NO_NVIDIA_DRIVER = shutil.which("nvidia-smi") is None and not os.path.exists(
     "/dev/nvidiactl"
@@ -45,7 +45,7 @@ def _setup_overlay() -> str:
 
         install_from_env()
         return "vllm: the kernel-only shim over the staged stock sources"
-    stock = patchset.find_installed_vllm()
+    stock = overlay.find_installed_vllm()
     if stock is None:
         return "vllm overlay: none (vllm is not installed)"
     if "vllm" in sys.modules:
@@ -53,13 +53,13 @@ def _setup_overlay() -> str:
             "vllm was imported before conftest.py could put the patched overlay "
             f"first on sys.path ({sys.modules['vllm'].__file__})"
         )
-    overlay = patchset.build_overlay(stock, log=lambda m: print(m, file=sys.stderr))
-    sys.path.insert(0, str(overlay))
+    built = overlay.build_overlay(stock, log=lambda m: print(m, file=sys.stderr))
+    sys.path.insert(0, str(built))
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(overlay), *([old] if old else [])])
-    os.environ["KPOOL_VLLM_OVERLAY"] = str(overlay)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(built), *([old] if old else [])])
+    os.environ["KPOOL_VLLM_OVERLAY"] = str(built)
     os.environ["KPOOL_STOCK_VLLM"] = str(stock)
-    return f"vllm overlay: {overlay} (patched hard-link copy of {stock})"
+    return f"vllm overlay: {built} (patched hard-link copy of {stock})"
 
 
 _HEADER = _setup_overlay()

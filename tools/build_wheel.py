@@ -10,17 +10,20 @@ else ``pip download --no-deps vllm==<base>`` into it), verify its sha256
 against ``patches/base.json``, ``python -m wheel unpack``, apply the patch
 set (``tools/patchset.py``), set the version to the PEP 440 local version
 ``<base>+glm5next.kpool<N>`` (N = number of patches in the series; the
-dist-info dir is renamed and METADATA's ``Version:`` rewritten), and
-``python -m wheel pack``, which rewrites RECORD with fresh hashes. The result
-is ``dist/vllm-<version>-<tags>.whl``. Zip timestamps come from
-``SOURCE_DATE_EPOCH`` (default: the stock wheel's newest entry), so the build
-is reproducible. Needs ``pip`` and ``wheel`` in this interpreter, and ``git``.
+dist-info dir is renamed and METADATA's ``Version:`` rewritten), and pack it
+again with ``wheel``'s ``WheelFile`` (what ``python -m wheel pack`` runs),
+which rewrites RECORD with fresh hashes. ``<base>`` is ``vllm_version`` in
+``patches/base.json``. The result is ``dist/vllm-<version>-<tags>.whl``. Zip
+timestamps come from ``SOURCE_DATE_EPOCH`` (default: the stock wheel's newest
+entry), so the build is reproducible. Long steps print a progress line every
+10 s. Needs ``pip`` and ``wheel`` in this interpreter, and ``git``.
 """
 
 from __future__ import annotations
 
 import argparse
 import calendar
+import contextlib
 import importlib.util
 import os
 import re
@@ -31,7 +34,7 @@ import tempfile
 import threading
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -58,30 +61,36 @@ def fork_version(ps: Patchset) -> str:
     return version
 
 
-def _run(
-    cmd: list[str],
-    label: str,
-    log: Log,
-    probe: Callable[[], str] | None = None,
-    env: dict[str, str] | None = None,
-) -> None:
-    """Run ``cmd`` with inherited stdout/stderr; every 10 s print progress."""
+HEARTBEAT_S = 10.0
+
+
+@contextlib.contextmanager
+def _heartbeat(
+    label: str, log: Log, probe: Callable[[], str] | None = None
+) -> Iterator[None]:
+    """While the body runs, log ``label``, the time so far and ``probe()``
+    every ``HEARTBEAT_S`` seconds."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env)
     done = threading.Event()
 
-    def heartbeat() -> None:
-        while not done.wait(10):
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_S):
             extra = f", {probe()}" if probe else ""
             log(f"    ... {label}: {time.monotonic() - start:.0f} s{extra}")
 
-    thread = threading.Thread(target=heartbeat, daemon=True)
+    thread = threading.Thread(target=beat, daemon=True)
     thread.start()
     try:
-        rc = proc.wait()
+        yield
     finally:
         done.set()
         thread.join()
+
+
+def _run(cmd: list[str], label: str, log: Log) -> None:
+    """Run ``cmd`` with inherited stdout/stderr, with a heartbeat."""
+    with _heartbeat(label, log):
+        rc = subprocess.Popen(cmd).wait()
     if rc != 0:
         raise PatchsetError(f"{label} failed (exit {rc}): {' '.join(cmd)}")
 
@@ -111,11 +120,17 @@ def fetch(ps: Patchset, cache_dir: Path, log: Log = _say) -> Path:
 
 
 def verify(ps: Patchset, wheel: Path) -> None:
+    """Refuse any wheel but the pinned one: another vLLM version (both named),
+    else another build or a damaged download of the base (sha256)."""
+    patchset.check_wheel_version(ps, wheel)
     found = patchset.sha256_file(wheel)
     expected = ps.base["wheel_sha256"]
     if found != expected:
         raise PatchsetError(
-            f"{wheel}: expected base wheel sha256 {expected}, found {found}"
+            f"{wheel}: expected base wheel sha256 {expected} ({ps.base_json}), "
+            f"found {found}: it is vLLM {ps.version}, but another build of it or "
+            f"a damaged download. Use {ps.base['wheel']}: delete this one and run "
+            "`make fetch`, or pass the pinned wheel with --wheel."
         )
 
 
@@ -162,6 +177,56 @@ def set_version(unpacked: Path, version: str, tags: list[str]) -> Path:
 def _newest_entry_epoch(wheel: Path) -> int:
     with zipfile.ZipFile(wheel) as zf:
         return max(calendar.timegm((*i.date_time, 0, 0, -1)) for i in zf.infolist())
+
+
+@contextlib.contextmanager
+def _source_date_epoch(default: int) -> Iterator[None]:
+    """``SOURCE_DATE_EPOCH`` (read by WheelFile for every member's time),
+    ``default`` unless the caller set it."""
+    old = os.environ.get("SOURCE_DATE_EPOCH")
+    os.environ["SOURCE_DATE_EPOCH"] = old or str(default)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["SOURCE_DATE_EPOCH"]
+
+
+def pack(unpacked: Path, out: Path, epoch: int, log: Log = _say) -> Path:
+    """Zip ``unpacked`` into the wheel ``out`` as ``python -m wheel pack``
+    does (``WheelFile.write_files``, RECORD rewritten), in-process so that
+    the heartbeat names the member being compressed: the largest, a ~300 MB
+    .so, writes nothing for ~10 s. ``out`` appears only once complete."""
+    from wheel.wheelfile import WheelFile
+
+    sizes = {p: p.stat().st_size for p in unpacked.rglob("*") if p.is_file()}
+    total_mb, done = sum(sizes.values()) / 2**20, {"bytes": 0, "files": 0}
+    current = ["nothing yet"]
+
+    class ProgressWheelFile(WheelFile):
+        def write(self, filename, arcname=None, compress_type=None):
+            size = sizes.get(Path(filename), 0)
+            current[0] = f"{arcname} ({size / 2**20:.1f} MB)"
+            super().write(filename, arcname, compress_type)
+            done["bytes"] += size
+            done["files"] += 1
+
+    def probe() -> str:
+        return (
+            f"{done['bytes'] / 2**20:.0f} of {total_mb:.0f} MB packed "
+            f"({done['files']} of {len(sizes)} files), compressing {current[0]}"
+        )
+
+    with tempfile.TemporaryDirectory(prefix=".pack-", dir=out.parent) as tmp:
+        part = Path(tmp, out.name)  # WheelFile needs a wheel's file name
+        with (
+            _source_date_epoch(epoch),
+            _heartbeat("wheel pack", log, probe),
+            ProgressWheelFile(part, "w") as wf,
+        ):
+            wf.write_files(str(unpacked))
+        os.replace(part, out)
+    return out
 
 
 def build(
@@ -218,33 +283,14 @@ def build(
     tags = wheel_tags(stock.name)
     step(5, f"set version {version}", lambda: set_version(unpacked, version, tags))
 
-    def pack() -> Path:
+    def repack() -> Path:
         dist_dir.mkdir(parents=True, exist_ok=True)
         for old in dist_dir.glob(f"vllm-{version}-*.whl"):
             old.unlink()
-        size_mb = stock.stat().st_size / 2**20
+        name = f"vllm-{version}-{'-'.join(stock.name[:-4].split('-')[-3:])}.whl"
+        return pack(unpacked, dist_dir / name, _newest_entry_epoch(stock), log)
 
-        def probe() -> str:
-            outs = list(dist_dir.glob(f"vllm-{version}-*.whl"))
-            done = outs[0].stat().st_size / 2**20 if outs else 0
-            return f"{done:.0f} of ~{size_mb:.0f} MB written"
-
-        env = dict(os.environ)
-        env.setdefault("SOURCE_DATE_EPOCH", str(_newest_entry_epoch(stock)))
-        cmd = [
-            sys.executable,
-            "-m",
-            "wheel",
-            "pack",
-            "-d",
-            str(dist_dir),
-            str(unpacked),
-        ]
-        _run(cmd, "wheel pack", log, probe, env)
-        (out,) = dist_dir.glob(f"vllm-{version}-*.whl")
-        return out
-
-    out = step(6, f"repack into {dist_dir} (rewrites RECORD; takes a while)", pack)
+    out = step(6, f"repack into {dist_dir} (rewrites RECORD; takes a while)", repack)
     if not keep_unpacked:
         shutil.rmtree(unpacked, ignore_errors=True)
     log(

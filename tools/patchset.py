@@ -8,9 +8,11 @@ wheel, a site-packages directory, or a git checkout of vLLM at the base tag.
 
 The patch set lives in the repo root (``--root``, default: this checkout):
 
-- ``patches/series``: patch file names, one a line, applied in order;
-- ``patches/NNNN-name.patch``: git-style diffs (``a/vllm/...``, ``b/vllm/...``)
-  that modify stock files (new files go under ``vllm/`` instead);
+- ``patches/series``: patch file names ``NNNN-topic.patch``, one a line,
+  applied in order; the numbers increase down the file (``new TOPIC`` prints
+  the next free name);
+- ``patches/NNNN-topic.patch``: git-style diffs (``a/vllm/...``,
+  ``b/vllm/...``) that modify stock files (new files go under ``vllm/``);
 - ``patches/base.json``: the pinned base, with the sha256 of every stock file
   a patch touches;
 - ``vllm/``: the files the fork adds, copied to the same path in the TREE.
@@ -21,18 +23,25 @@ Contracts:
   ``base`` (every touched file has its pinned hash, no added file exists),
   ``applied`` (every touched file equals the series applied to the base and
   every added file equals the fork's copy), ``wrong-base`` or
-  ``half-applied``. Patched content is recovered and verified with
-  ``git apply -R`` / ``git apply`` on copies in a temp dir.
+  ``half-applied``.
+- The series is applied by ONE ``git apply`` of the patches concatenated,
+  which writes nothing unless every hunk applies, on copies of the touched
+  files in a temp dir (reversed with ``-R`` to recover a patched file's base).
+  Only when it fails are the patches tried one by one, to name the culprit.
 - ``apply`` and ``revert`` refuse any other state before writing a byte, with
-  a message naming each file (and, for a wrong base, both hashes). They
-  compute every result in a temp dir, then replace files one by one by
-  rename; on any error or interrupt the files already replaced are restored.
-- Existing files are never written in place (new inode + rename), so a
-  hard-link copy of a venv (see ``build_overlay``) never changes the venv.
+  a message naming each file, what was found, what was expected and what to
+  do (the TREE's own vLLM version included, when it records one).
+- The TREE itself is written here, not by ``git apply``: git unlinks every
+  target before it creates any, restores nothing when a write fails or is
+  interrupted, and takes file modes from the patch. Here each file is
+  replaced by rename, keeping its mode; on any error or interrupt the files
+  already replaced are restored and the error says the tree is unchanged.
+  Existing files are never written in place (new inode + rename), so a
+  hard-link copy of a venv (``tools/overlay.py``) never changes the venv.
 
 Python API: ``Patchset.load``, ``inspect_tree``, ``apply``, ``revert``,
-``export_diff``, ``stock_files``, ``pin``, ``find_installed_vllm``,
-``build_overlay``; errors are ``PatchsetError``.
+``export_diff``, ``stock_files``, ``pin``, ``next_patch_name``,
+``tree_version``, ``wheel_version``; errors are ``PatchsetError``.
 """
 
 from __future__ import annotations
@@ -40,8 +49,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import hashlib
-import importlib.machinery
 import json
 import os
 import re
@@ -50,14 +59,13 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE_DIR = REPO_ROOT / "build" / "cache"
-OVERLAY_DIR = REPO_ROOT / "build" / "overlay"
+CLI = "tools/patchset.py"
 
 _SKIP_SUFFIXES = (".pyc", ".pyo", ".orig", ".rej", "~")
 _DIFF_HEADER = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
@@ -69,12 +77,18 @@ _NOT_MODIFICATION = (
     "--- /dev/null",
     "+++ /dev/null",
 )
+_TOPIC = r"[a-z0-9]+(?:-[a-z0-9]+)*"
+_PATCH_NAME = re.compile(rf"^(\d{{4}})-({_TOPIC})\.patch$")
+_VERSION_PY = re.compile(r"^__version__\s*=(?:\s*version\s*=)?\s*['\"]([^'\"]+)", re.M)
+_METADATA_VERSION = re.compile(rb"^Version:[ \t]*(\S+)", re.M)
+_REBASE_DOC = 'CONTRIBUTING.md, "Rebasing onto a newer vLLM"'
 
 Log = Callable[[str], None]
 
 
 class PatchsetError(Exception):
-    """A refusal or failure; the message names the file(s) concerned."""
+    """A refusal or failure; the message names the file(s) concerned, what
+    was found and expected, and what to do."""
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -124,8 +138,7 @@ class Patchset:
                 raise PatchsetError(f"{base_path}: no 'files' object")
         elif require_pinned:
             raise PatchsetError(
-                f"{base_path}: missing; create it with "
-                "`tools/patchset.py pin --wheel WHEEL`"
+                f"{base_path}: missing; create it with `{CLI} pin --wheel WHEEL`"
             )
         added = _added_files(root)
         pinned = base["files"]
@@ -139,7 +152,7 @@ class Patchset:
                 if require_pinned and rel not in pinned:
                     raise PatchsetError(
                         f"{patch}: modifies {rel}, which {base_path} does not pin; "
-                        "run `tools/patchset.py pin --wheel WHEEL`"
+                        f"run `{CLI} pin --wheel WHEEL`"
                     )
         return cls(root, base, patches, touches, added)
 
@@ -152,13 +165,19 @@ class Patchset:
     def base_files(self) -> Mapping[str, str]:
         return self.base["files"]  # type: ignore[return-value]
 
+    @property
+    def version(self) -> str:
+        """The pinned base's vLLM version (``vllm_version`` in base.json)."""
+        return str(self.base.get("vllm_version", "?"))
+
+    @property
+    def base_json(self) -> Path:
+        return self.root / "patches" / "base.json"
+
     def digest(self) -> str:
         """sha256 over everything that defines the fork's content."""
         h = hashlib.sha256()
-        for path in (
-            self.root / "patches" / "base.json",
-            self.root / "patches" / "series",
-        ):
+        for path in (self.base_json, self.root / "patches" / "series"):
             h.update(path.read_bytes() if path.is_file() else b"-")
         for patch in self.patches:
             h.update(patch.name.encode() + b"\0" + patch.read_bytes())
@@ -167,22 +186,60 @@ class Patchset:
         return h.hexdigest()
 
 
+def _numbers_in_use(pdir: Path) -> list[int]:
+    return [int(m[1]) for p in pdir.glob("*.patch") if (m := _PATCH_NAME.match(p.name))]
+
+
 def _read_series(pdir: Path) -> tuple[Path, ...]:
+    """The series' patches, in order. Refuses a name that is not
+    ``NNNN-topic.patch``, a missing file, and a number that does not increase
+    down the series (a repeated number included)."""
     series = pdir / "series"
     if not series.is_file():
         raise PatchsetError(f"{series}: missing (one patch file name per line)")
     patches: list[Path] = []
+    lines: dict[str, int] = {}
     for lineno, raw in enumerate(series.read_text().splitlines(), 1):
         name = raw.split("#", 1)[0].strip()
         if not name:
             continue
-        patch = pdir / name
-        if "/" in name or not patch.is_file():
-            raise PatchsetError(f"{series}:{lineno}: no patch file {name!r} in {pdir}")
-        if patch in patches:
-            raise PatchsetError(f"{series}:{lineno}: {name} is listed twice")
-        patches.append(patch)
+        where = f"{series}:{lineno}: {name}"
+        m = _PATCH_NAME.match(name)
+        if m is None:
+            raise PatchsetError(
+                f"{where}: expected a name NNNN-topic.patch (four digits, then "
+                f"lowercase words joined by '-'); `{CLI} new TOPIC` prints the "
+                "next free one"
+            )
+        if not (pdir / name).is_file():
+            raise PatchsetError(f"{where}: no such patch file in {pdir}")
+        if name in lines:
+            raise PatchsetError(f"{where}: listed twice (line {lines[name]} too)")
+        prev = patches[-1].name if patches else None
+        if prev is not None and int(m[1]) <= int(prev[:4]):
+            how = "repeats the number of" if m[1] == prev[:4] else "comes after"
+            free = f"{max(_numbers_in_use(pdir)) + 1:04d}-{m[2]}.patch"
+            raise PatchsetError(
+                f"{where}: {how} {prev} (line {lines[prev]}); expected numbers "
+                f"that increase down the series. Rename this one (e.g. `git mv "
+                f"patches/{name} patches/{free}`) and fix this line."
+            )
+        lines[name] = lineno
+        patches.append(pdir / name)
     return tuple(patches)
+
+
+def next_patch_name(topic: str, root: str | os.PathLike[str] = REPO_ROOT) -> str:
+    """``NNNN-TOPIC.patch``, NNNN one above every number in use in
+    ``patches/`` (in the series or not yet). The series must be valid."""
+    if re.fullmatch(_TOPIC, topic) is None:
+        raise PatchsetError(
+            f"TOPIC {topic!r}: expected lowercase words joined by '-', "
+            "e.g. 'forward-context-dummy-run'"
+        )
+    pdir = Path(root) / "patches"
+    _read_series(pdir)
+    return f"{max(_numbers_in_use(pdir), default=0) + 1:04d}-{topic}.patch"
 
 
 def patch_paths(patch: Path) -> tuple[str, ...]:
@@ -238,7 +295,9 @@ def _added_files(root: Path) -> dict[str, Path]:
 # git apply in a scratch dir
 
 
-def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+def _git(
+    args: list[str], cwd: Path, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     git = shutil.which("git")
     if git is None:
         raise PatchsetError("git not found on PATH (the patch set uses `git apply`)")
@@ -255,7 +314,13 @@ def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
         LC_ALL="C",
     )
     return subprocess.run(
-        [git, *args], cwd=cwd, env=env, capture_output=True, text=True, check=False
+        [git, *args],
+        cwd=cwd,
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        check=False,
     )
 
 
@@ -275,25 +340,39 @@ def _write_files(work: Path, files: Mapping[str, bytes]) -> None:
         path.write_bytes(data)
 
 
-def _git_apply(work: Path, patch: Path, *, reverse: bool, only: str | None) -> None:
+def _git_apply(
+    work: Path, patches: Sequence[Path], *, reverse: bool = False, only: str = ""
+) -> str | None:
+    """Apply ``patches`` in ``work`` with one ``git apply`` of their
+    concatenation, so that nothing is written unless every hunk applies
+    (``-R`` undoes the whole stream: the last patch first). None on success,
+    else git's stderr."""
     args = ["apply", "-p1", "--whitespace=nowarn"]
-    if reverse:
-        args.append("-R")
-    if only is not None:
-        args.append(f"--include={only}")
-    r = _git([*args, str(patch)], work)
-    if r.returncode != 0:
-        raise PatchsetError(
-            f"{patch}: git {' '.join(args)} failed:\n{r.stderr.strip()}"
-        )
+    args += ["-R"] if reverse else []
+    args += [f"--include={only}"] if only else []
+    texts = [p.read_text() for p in patches]
+    r = _git(args, work, "".join(t if t.endswith("\n") else t + "\n" for t in texts))
+    return None if r.returncode == 0 else r.stderr.strip()
 
 
 def _patch_contents(base: Mapping[str, bytes], ps: Patchset) -> dict[str, bytes]:
     """The touched files after applying the whole series to ``base``."""
     with _scratch(base) as work:
-        for patch in ps.patches:
-            _git_apply(work, patch, reverse=False, only=None)
+        if (err := _git_apply(work, ps.patches)) is not None:
+            raise PatchsetError(_name_failing_patch(work, ps, err))
         return {rel: (work / rel).read_bytes() for rel in ps.touched}
+
+
+def _name_failing_patch(work: Path, ps: Patchset, err: str) -> str:
+    """The message for a series that does not apply: the first patch that
+    fails once the ones before it are applied (``work`` is scratch)."""
+    for patch in ps.patches:
+        if (one := _git_apply(work, [patch])) is not None:
+            return (
+                f"{patch}: does not apply to the base with the patches before it "
+                f"in the series applied; git apply says:\n{one}"
+            )
+    return f"{ps.root / 'patches' / 'series'}: the series does not apply:\n{err}"
 
 
 def _recover_base(rel: str, data: bytes, ps: Patchset) -> bytes | None:
@@ -301,17 +380,69 @@ def _recover_base(rel: str, data: bytes, ps: Patchset) -> bytes | None:
     the pinned base (reverse-apply, check the hash, apply again); else None."""
     patches = [p for p in ps.patches if rel in ps.touches[p]]
     with _scratch({rel: data}) as work:
-        try:
-            for patch in reversed(patches):
-                _git_apply(work, patch, reverse=True, only=rel)
-            base = (work / rel).read_bytes()
-            if sha256_bytes(base) != ps.base_files[rel]:
-                return None
-            for patch in patches:
-                _git_apply(work, patch, reverse=False, only=rel)
-        except PatchsetError:
+        if _git_apply(work, patches, reverse=True, only=rel) is not None:
+            return None
+        base = (work / rel).read_bytes()
+        if sha256_bytes(base) != ps.base_files[rel]:
+            return None
+        if _git_apply(work, patches, only=rel) is not None:
             return None
         return base if (work / rel).read_bytes() == data else None
+
+
+# --------------------------------------------------------------------------
+# Versions a tree or a wheel records
+
+
+def _public(version: str) -> str:
+    return version.split("+", 1)[0]
+
+
+def tree_version(tree: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """(vLLM version, where it was read) as TREE records it:
+    ``vllm/_version.py``, else a ``vllm-*.dist-info/METADATA``; None if
+    neither says (a source checkout that was never built)."""
+    root = Path(tree)
+    with contextlib.suppress(OSError):
+        if m := _VERSION_PY.search((root / "vllm" / "_version.py").read_text()):
+            return m[1], "vllm/_version.py"
+    for meta in sorted(root.glob("vllm-*.dist-info/METADATA")):
+        with contextlib.suppress(OSError):
+            if m := _METADATA_VERSION.search(meta.read_bytes().split(b"\n\n")[0]):
+                return m[1].decode(), meta.relative_to(root).as_posix()
+    return None
+
+
+def _open_wheel(wheel: Path) -> zipfile.ZipFile:
+    if not wheel.is_file():
+        raise PatchsetError(f"{wheel}: no such wheel")
+    try:
+        return zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as e:
+        raise PatchsetError(f"{wheel}: not a wheel (expected a zip file: {e})") from e
+
+
+def wheel_version(wheel: str | os.PathLike[str]) -> tuple[str, str]:
+    """(vLLM version, where it was read) of a wheel: its dist-info dir."""
+    with _open_wheel(Path(wheel)) as zf:
+        infos = {n.split("/")[0] for n in zf.namelist() if n.startswith("vllm-")}
+    infos = {n for n in infos if n.endswith(".dist-info")}
+    if not infos:
+        raise PatchsetError(f"{wheel}: no vllm-*.dist-info; not a vLLM wheel")
+    info = min(infos)
+    return info.removeprefix("vllm-").removesuffix(".dist-info"), info
+
+
+def check_wheel_version(ps: Patchset, wheel: str | os.PathLike[str]) -> None:
+    """Refuse a wheel of another vLLM version than the base, naming both."""
+    found, source = wheel_version(wheel)
+    if _public(found) != ps.version:
+        raise PatchsetError(
+            f"{wheel}: this is vLLM {found} (from {source}), not vLLM {ps.version}, "
+            f"the base the patch set is pinned to ({ps.base_json}). Use "
+            f"{ps.base['wheel']} (`make fetch` downloads it into build/cache/); "
+            f"to move the fork to vLLM {found}, see {_REBASE_DOC}."
+        )
 
 
 # --------------------------------------------------------------------------
@@ -326,6 +457,47 @@ class FileState:
     found_sha256: str | None
     expected_sha256: str  # the pinned base hash, or the fork copy's hash
 
+    def describe(self) -> str:
+        """This file's line in a state report."""
+        return {
+            (False, "base"): "stock file, not patched",
+            (False, "applied"): "stock file, patched",
+            (False, "missing"): (
+                f"stock file, missing (expected base sha256 {self.expected_sha256})"
+            ),
+            (False, "unknown"): (
+                f"stock file, changed: expected base sha256 {self.expected_sha256}, "
+                f"found {self.found_sha256}, which is neither the base nor the "
+                "patch set applied to it"
+            ),
+            (True, "missing"): "added file, missing",
+            (True, "applied"): "added file, present",
+            (True, "differs"): (
+                f"added file, differs from the fork's copy (found sha256 "
+                f"{self.found_sha256}, fork {self.expected_sha256})"
+            ),
+        }[(self.added, self.state)]
+
+
+def _lines(files: Iterable[FileState]) -> list[str]:
+    """A line per file, except that added files sharing a dir and a state
+    (present, missing) share one line, naming them."""
+    lines: list[str] = []
+    groups: dict[tuple[str, str], list[str]] = {}
+    for f in files:
+        if f.added and f.state != "differs":
+            parent, _, name = f.path.rpartition("/")
+            groups.setdefault((parent, f.describe()), []).append(name)
+        else:
+            lines.append(f"  {f.path}: {f.describe()}")
+    for (parent, what), names in groups.items():
+        if len(names) == 1:
+            lines.append(f"  {parent}/{names[0]}: {what}")
+        else:
+            what = what.replace("added file,", f"{len(names)} added files,")
+            lines.append(f"  {parent}/: {what}: {' '.join(names)}")
+    return lines
+
 
 @dataclasses.dataclass(frozen=True)
 class TreeState:
@@ -334,50 +506,85 @@ class TreeState:
     files: tuple[FileState, ...]
     base_content: Mapping[str, bytes]
     patched_content: Mapping[str, bytes]
-    base_name: str
+    ps: Patchset = dataclasses.field(repr=False, compare=False)
+    version: tuple[str, str] | None = None  # (version, where), see tree_version
 
     def describe(self) -> str:
-        if self.state == "wrong-base":
-            lines = [f"{self.tree}: not {self.base_name}; nothing was written:"]
-            for f in self.files:
-                if f.state == "missing" and not f.added:
-                    lines.append(
-                        f"  {f.path}: missing (expected base sha256 "
-                        f"{f.expected_sha256})"
-                    )
-                elif f.state == "unknown":
-                    lines.append(
-                        f"  {f.path}: expected base sha256 {f.expected_sha256}, "
-                        f"found {f.found_sha256} (neither the base nor the patched "
-                        "content)"
-                    )
-            return "\n".join(lines)
-        if self.state == "half-applied":
-            head = (
-                f"{self.tree}: half-applied patch set; refusing, nothing was "
-                "written. Restore the stock files (unpack the wheel again or "
-                "`pip install --force-reinstall --no-deps vllm==<base>`), then "
-                "apply. Files:"
+        """One line for ``base`` and ``applied``; for the other states what
+        was found (file by file), what was expected and what to do."""
+        n = sum(not f.added for f in self.files)
+        v, m = self.ps.version, len(self.files) - n
+        if self.state == "base":
+            return (
+                f"{self.tree}: base: stock vLLM {v}, the patch set not applied "
+                f"({n} stock file(s) to patch, {m} file(s) to add)"
             )
-            lines = [head]
-            for f in self.files:
-                what = {
-                    (False, "base"): "stock file, not patched",
-                    (False, "applied"): "stock file, patched",
-                    (True, "missing"): "added file, missing",
-                    (True, "applied"): "added file, present",
-                    (True, "differs"): (
-                        f"added file, differs from the fork's copy (found sha256 "
-                        f"{f.found_sha256}, fork {f.expected_sha256})"
-                    ),
-                }[(f.added, f.state)]
-                lines.append(f"  {f.path}: {what}")
-            return "\n".join(lines)
-        n_touched = sum(not f.added for f in self.files)
-        return (
-            f"{self.tree}: {self.state} ({n_touched} patched file(s), "
-            f"{len(self.files) - n_touched} added file(s))"
+        if self.state == "applied":
+            return (
+                f"{self.tree}: applied: vLLM {v} with the patch set "
+                f"({n} stock file(s) patched, {m} file(s) added)"
+            )
+        head, shown, todo = self._problem()
+        return "\n".join([f"{head}; nothing was written. Files:", *_lines(shown), todo])
+
+    def _problem(self) -> tuple[str, Sequence[FileState], str]:
+        """(what was found, the files to list, what to do) for a refusal."""
+        v, wheel, tree = self.ps.version, self.ps.base["wheel"], self.tree
+        bad = [
+            f for f in self.files if not f.added and f.state in ("missing", "unknown")
+        ]
+        present = [f for f in self.files if f.added and f.state != "missing"]
+        again = (
+            f"put the stock vLLM {v} files back (a site-packages: `pip install "
+            f"--force-reinstall --no-deps vllm=={v}`; an unpacked wheel: unpack "
+            f"{wheel} again; a vLLM checkout: `git checkout v{v} -- vllm`)"
+            + ", delete the added files marked present or differs above" * bool(present)
+            + f", then run `{CLI} apply {tree}`"
         )
+        if self.state == "half-applied":
+            head = f"{tree}: half-applied: part of the patch set is here, part is not"
+            todo = (
+                f"to get a clean tree, {again}. An added file that differs holds "
+                "edits: copy it away first to keep them."
+            )
+            return head, self.files, f"What to do: {todo}"
+        if self.version and _public(self.version[0]) != v:
+            found, source = self.version
+            head = (
+                f"{tree}: this is vLLM {found} (from {source}), not vLLM {v}, the "
+                f"base the patch set is pinned to ({self.ps.base_json})"
+            )
+            todo = (
+                f"apply it to a vLLM {v} tree (`pip install --no-deps vllm=={v}`, "
+                f"or unpack {wheel}); to move the fork to vLLM {found}, see "
+                f"{_REBASE_DOC}."
+            )
+            return head, bad, f"What to do: {todo}"
+        n_ok = sum(f.state == "applied" for f in self.files if not f.added)
+        if n_ok or present:
+            head = (
+                f"{tree}: the patch set is applied here ({n_ok} stock file(s) "
+                f"patched), but {len(bad)} stock file(s) changed since: neither the "
+                f"pinned base vLLM {v} nor the patch set applied to it"
+            )
+            todo = (
+                'to keep the change, make it a patch (CONTRIBUTING.md, "Adding a '
+                f'patch"); to drop it, {again}.'
+            )
+            return head, [*bad, *present], f"What to do: {todo}"
+        says = "The tree records no version (no vllm/_version.py or dist-info). "
+        if self.version:
+            says = (
+                f"The tree says it is vLLM {self.version[0]} (from "
+                f"{self.version[1]}): these files changed after it was installed, "
+                f"or it is another build of {v}. "
+            )
+        head = (
+            f"{tree}: not the pinned base vLLM {v} ({self.ps.base_json}): "
+            f"{len(bad)} stock file(s) differ from it and from the patch set "
+            "applied to it"
+        )
+        return head, bad, f"{says}What to do: {again}."
 
     def require(self, *states: str) -> None:
         if self.state not in states:
@@ -406,6 +613,19 @@ def _read_or_none(path: Path) -> bytes | None:
         raise PatchsetError(f"{path}: is a directory, expected a file") from None
 
 
+def _touched_state(rel: str, data: bytes | None, ps: Patchset):
+    """(FileState, base content or None) of one stock file the series touches."""
+    expected = ps.base_files[rel]
+    if data is None:
+        return FileState(rel, False, "missing", None, expected), None
+    found = sha256_bytes(data)
+    if found == expected:
+        return FileState(rel, False, "base", found, expected), data
+    if (recovered := _recover_base(rel, data, ps)) is not None:
+        return FileState(rel, False, "applied", found, expected), recovered
+    return FileState(rel, False, "unknown", found, expected), None
+
+
 def inspect_tree(tree: str | os.PathLike[str], ps: Patchset | None = None) -> TreeState:
     """Classify every file the patch set touches or adds, and the TREE."""
     ps = ps or Patchset.load()
@@ -413,21 +633,10 @@ def inspect_tree(tree: str | os.PathLike[str], ps: Patchset | None = None) -> Tr
     files: list[FileState] = []
     base_content: dict[str, bytes] = {}
     for rel in ps.touched:
-        expected = ps.base_files[rel]
-        data = _read_or_none(root / rel)
-        if data is None:
-            files.append(FileState(rel, False, "missing", None, expected))
-            continue
-        found = sha256_bytes(data)
-        if found == expected:
-            state = "base"
-            base_content[rel] = data
-        elif (recovered := _recover_base(rel, data, ps)) is not None:
-            state = "applied"
-            base_content[rel] = recovered
-        else:
-            state = "unknown"
-        files.append(FileState(rel, False, state, found, expected))
+        fs, base = _touched_state(rel, _read_or_none(root / rel), ps)
+        files.append(fs)
+        if base is not None:
+            base_content[rel] = base
     for rel, src in ps.added.items():
         want = src.read_bytes()
         data = _read_or_none(root / rel)
@@ -448,10 +657,9 @@ def inspect_tree(tree: str | os.PathLike[str], ps: Patchset | None = None) -> Tr
             overall = "applied"
         else:
             overall = "half-applied"
-    base_name = f"the pinned base vLLM {ps.base.get('vllm_version', '?')} "
-    base_name += f"({ps.root / 'patches' / 'base.json'})"
     files.sort(key=lambda f: (f.added, f.path))
-    return TreeState(root, overall, tuple(files), base_content, patched, base_name)
+    version = tree_version(root)
+    return TreeState(root, overall, tuple(files), base_content, patched, ps, version)
 
 
 # --------------------------------------------------------------------------
@@ -483,25 +691,37 @@ def _remove(path: Path) -> None:
     path.unlink()
 
 
-def _transaction(
-    root: Path, writes: Mapping[str, tuple[bytes, int | None]], removes: Iterable[str]
+def _write_one(
+    target: Path, data: bytes, mode: int | None, undo: list[Callable[[], None]]
 ) -> None:
+    """Replace (or create, with its missing parent dirs) ``target``,
+    appending to ``undo`` each step's undo as soon as the step is done."""
+    if target.exists():
+        old, old_mode = target.read_bytes(), stat.S_IMODE(target.stat().st_mode)
+        _place(target, data, old_mode if mode is None else mode)
+        undo.append(lambda: _atomic_write(target, old, old_mode))
+        return
+    parents = (target.parent, *target.parent.parents)
+    for d in reversed([d for d in parents if not d.exists()]):
+        d.mkdir()
+        undo.append(d.rmdir)
+    _place(target, data, 0o644 if mode is None else mode)
+    undo.append(target.unlink)
+
+
+def _transaction(
+    root: Path,
+    verb: str,
+    writes: Mapping[str, tuple[bytes, int | None]],
+    removes: Iterable[str],
+) -> None:
+    """Write and remove files under ``root``; on any exception undo what was
+    done, then re-raise (an OSError as a PatchsetError saying so)."""
     undo: list[Callable[[], None]] = []
+    rel = ""
     try:
         for rel, (data, mode) in writes.items():
-            target = root / rel
-            old = _read_or_none(target)
-            if old is None:
-                parents = (target.parent, *target.parent.parents)
-                for d in reversed([d for d in parents if not d.exists()]):
-                    d.mkdir()
-                    undo.append(d.rmdir)
-                _place(target, data, 0o644 if mode is None else mode)
-                undo.append(target.unlink)
-            else:
-                old_mode = stat.S_IMODE(target.stat().st_mode)
-                _place(target, data, old_mode if mode is None else mode)
-                undo.append(lambda t=target, o=old, m=old_mode: _atomic_write(t, o, m))
+            _write_one(root / rel, data, mode, undo)
         for rel in removes:
             target = root / rel
             old, old_mode = target.read_bytes(), stat.S_IMODE(target.stat().st_mode)
@@ -516,10 +736,32 @@ def _transaction(
                 failed.append(str(e))
         if failed:
             raise PatchsetError(
-                f"{root}: writing failed ({exc!r}) and the rollback failed too, "
-                "the tree may be half-applied: " + "; ".join(failed)
+                f"{root}: {verb} failed at {rel} ({exc!r}) and the rollback failed "
+                f"too; the tree may be half-applied (`{CLI} check {root}` tells): "
+                + "; ".join(failed)
             ) from exc
+        if isinstance(exc, OSError):
+            raise PatchsetError(_write_error(root, verb, rel, exc)) from exc
         raise
+
+
+def _write_error(root: Path, verb: str, rel: str, exc: OSError) -> str:
+    where = exc.filename or root / rel
+    msg = (
+        f"{root}: {verb} stopped at {rel}: {exc.strerror or exc} ({where}); "
+        "rolled back, the tree is unchanged. "
+    )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        owner = next(d for d in (root / rel).parents if d.exists()).stat().st_uid
+        return msg + (
+            f"Expected write access to {root / 'vllm'} and below (owned by uid "
+            f"{owner}; this process runs as uid {os.getuid()}): run as the owner "
+            f"(e.g. with sudo), or {verb} a tree you own, such as a venv of your "
+            "own or an unpacked wheel."
+        )
+    if exc.errno == errno.EROFS:
+        return msg + f"The file system is read-only: {verb} a writable copy."
+    return msg + "Fix the cause above and run the command again."
 
 
 def _tidy_removed(root: Path, removed: Iterable[str]) -> None:
@@ -546,7 +788,8 @@ def apply(
     tree: str | os.PathLike[str], ps: Patchset | None = None, *, log: Log = print
 ) -> bool:
     """Apply the patch set to TREE. True if files were written, False if TREE
-    was already applied; PatchsetError (nothing written) for any other state."""
+    was already applied; PatchsetError (nothing written) for any other state
+    or a failed write (rolled back)."""
     ps = ps or Patchset.load()
     st = inspect_tree(tree, ps)
     if st.state == "applied":
@@ -558,7 +801,7 @@ def apply(
     }
     for rel, src in ps.added.items():
         writes[rel] = (src.read_bytes(), stat.S_IMODE(src.stat().st_mode) | 0o644)
-    _transaction(st.tree, writes, ())
+    _transaction(st.tree, "apply", writes, ())
     log(
         f"{st.tree}: applied {len(ps.patches)} patch(es) to {len(ps.touched)} "
         f"file(s), added {len(ps.added)} file(s)"
@@ -571,7 +814,8 @@ def revert(
 ) -> bool:
     """Restore TREE's base content and remove the added files. True if files
     were written, False if TREE was at the base already; PatchsetError
-    (nothing written) unless TREE is fully applied or fully base."""
+    (nothing written) unless TREE is fully applied or fully base, or for a
+    failed write (rolled back)."""
     ps = ps or Patchset.load()
     st = inspect_tree(tree, ps)
     if st.state == "base":
@@ -579,7 +823,7 @@ def revert(
         return False
     st.require("applied")
     writes = {rel: (st.base_content[rel], None) for rel in ps.touched}
-    _transaction(st.tree, writes, sorted(ps.added))
+    _transaction(st.tree, "revert", writes, sorted(ps.added))
     _tidy_removed(st.tree, ps.added)
     log(
         f"{st.tree}: reverted {len(ps.touched)} file(s), removed "
@@ -603,10 +847,8 @@ def read_wheel_files(
 ) -> dict[str, bytes]:
     """The named members of a wheel (a zip), without unpacking the rest."""
     wheel = Path(wheel)
-    if not wheel.is_file():
-        raise PatchsetError(f"{wheel}: no such wheel")
     out: dict[str, bytes] = {}
-    with zipfile.ZipFile(wheel) as zf:
+    with _open_wheel(wheel) as zf:
         names = set(zf.namelist())
         for rel in paths:
             if rel not in names:
@@ -623,7 +865,8 @@ def stock_files(
     cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR,
 ) -> dict[str, bytes]:
     """The pinned base content of every touched file, from TREE (base or
-    patched), a wheel, or the base wheel in ``cache_dir``; hashes verified."""
+    patched), a wheel of the base version, or the base wheel in
+    ``cache_dir``; hashes verified."""
     ps = ps or Patchset.load()
     if tree is not None:
         st = inspect_tree(tree, ps)
@@ -635,15 +878,18 @@ def stock_files(
         if not wheel.is_file():
             raise PatchsetError(
                 f"{wheel}: no stock source; pass TREE or --wheel WHEEL, or fetch the "
-                "base wheel into the cache with `make wheel`"
+                "base wheel into the cache with `make fetch`"
             )
+    check_wheel_version(ps, wheel)
     files = read_wheel_files(wheel, ps.touched)
     for rel, data in files.items():
         found = sha256_bytes(data)
         if found != ps.base_files[rel]:
             raise PatchsetError(
-                f"{wheel}: {rel}: expected base sha256 {ps.base_files[rel]}, "
-                f"found {found}"
+                f"{wheel}: {rel}: expected base sha256 {ps.base_files[rel]}, found "
+                f"{found}. The wheel is vLLM {ps.version} but not the pinned build "
+                f"{ps.base['wheel']} ({ps.base_json}); use that one (`make fetch` "
+                "puts it in build/cache/)."
             )
     return files
 
@@ -702,114 +948,19 @@ def pin(
         "wheel_sha256": sha256_file(wheel),
         "files": {rel: sha256_bytes(files[rel]) for rel in sorted(files)},
     }
-    out = ps.root / "patches" / "base.json"
+    out = ps.base_json
     out.write_text(json.dumps(data, indent=2) + "\n")
     log(f"{out}: pinned {wheel.name} and {len(files)} stock file(s)")
     return data
 
 
 # --------------------------------------------------------------------------
-# The installed stock package and a patched overlay of it
-
-
-def find_installed_vllm(exclude: Iterable[str | os.PathLike[str]] = ()) -> Path | None:
-    """The stock ``vllm`` package dir on ``sys.path``, found WITHOUT importing
-    it; this repo's root, its overlays and ``exclude`` are skipped."""
-    skipped = {REPO_ROOT, *(Path(p).resolve() for p in exclude)}
-    paths = []
-    for entry in sys.path:
-        try:
-            resolved = Path(entry or os.getcwd()).resolve()
-        except OSError:
-            continue
-        if resolved in skipped or OVERLAY_DIR in resolved.parents:
-            continue
-        paths.append(entry or os.getcwd())
-    spec = importlib.machinery.PathFinder.find_spec("vllm", paths)
-    if spec is None or spec.origin is None or not spec.submodule_search_locations:
-        return None  # not installed, or only a namespace portion
-    return Path(spec.origin).parent
-
-
-def _link_copy(src: Path, dst: Path) -> str:
-    """Copy a tree as hard links, else symlinks, else real copies."""
-    for flag, how in (("-al", "hard links"), ("-as", "symlinks")):
-        r = subprocess.run(["cp", flag, str(src), str(dst)], capture_output=True)
-        if r.returncode == 0:
-            return how
-        shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst)
-    return "a full copy"
-
-
-OVERLAY_MAX_AGE_S = 6 * 3600
-
-
-def _prune_overlays(cache_root: Path, keep: Path) -> None:
-    if not cache_root.is_dir():
-        return
-    now = time.time()
-    for old in cache_root.iterdir():
-        with contextlib.suppress(OSError):
-            if old != keep and now - old.stat().st_mtime > OVERLAY_MAX_AGE_S:
-                shutil.rmtree(old)
-
-
-def build_overlay(
-    stock_pkg: str | os.PathLike[str],
-    cache_root: str | os.PathLike[str] = OVERLAY_DIR,
-    ps: Patchset | None = None,
-    *,
-    log: Log = print,
-) -> Path:
-    """A patched copy of the installed stock package, cached under
-    ``cache_root/<key>/vllm`` (key: the patch set, the stock package and this
-    tool). Files are hard links to the stock ones until the patch set
-    replaces them, so the stock install is never modified. Overlays unused
-    for ``OVERLAY_MAX_AGE_S`` are deleted. Returns the dir to put on
-    ``sys.path``."""
-    ps = ps or Patchset.load()
-    stock_pkg = Path(stock_pkg).resolve()
-    h = hashlib.sha256(ps.digest().encode())
-    h.update(str(stock_pkg).encode() + Path(__file__).read_bytes())
-    for record in sorted(stock_pkg.parent.glob("vllm-*.dist-info/RECORD")):
-        h.update(record.read_bytes())
-    for rel in ps.touched:
-        h.update(_read_or_none(stock_pkg.parent / rel) or b"-")
-    final = Path(cache_root) / h.hexdigest()[:16]
-    _prune_overlays(Path(cache_root), keep=final)
-    if (final / "vllm").is_dir():
-        with contextlib.suppress(PatchsetError):
-            if inspect_tree(final, ps).state == "applied":
-                os.utime(final)  # last use, for pruning
-                return final
-        shutil.rmtree(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        how = _link_copy(stock_pkg, tmp / "vllm")
-        apply(tmp, ps, log=lambda _: None)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not (final / "vllm").is_dir():
-                raise
-            shutil.rmtree(tmp)  # a concurrent run built it first
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log(f"built vllm overlay {final} ({how} of {stock_pkg}, patch set applied)")
-    return final
-
-
-# --------------------------------------------------------------------------
 # CLI
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tools/patchset.py",
+        prog=CLI,
         description="Apply, check, revert and export the fork's patch set. TREE is "
         "the dir that contains vllm/ (unpacked wheel, site-packages, vLLM checkout).",
     )
@@ -835,10 +986,41 @@ def main(argv: list[str] | None = None) -> int:
     )
     p = sub.add_parser("pin", help="rewrite patches/base.json from the base wheel")
     p.add_argument("--wheel", required=True)
+    p = sub.add_parser("new", help="print the next free patch name, NNNN-TOPIC.patch")
+    p.add_argument("topic", help="lowercase words joined by '-'")
+    return parser
+
+
+def _check(tree: str, expect: str | None, ps: Patchset) -> int:
+    st = inspect_tree(tree, ps)
+    print(st.describe())
+    if st.state in ("base", "applied"):
+        for f in st.files:
+            print(f"  {f.state:8} {f.path}")
+    wanted = (expect,) if expect else ("base", "applied")
+    if st.state in wanted:
+        return 0
+    if expect is not None:
+        todo = {
+            ("applied", "base"): f"run `{CLI} apply {st.tree}`",
+            ("base", "applied"): f"run `{CLI} revert {st.tree}`",
+        }.get((expect, st.state), "see 'What to do' above")
+        print(
+            f"patchset: check: expected {expect}, found {st.state}: {todo}",
+            file=sys.stderr,
+        )
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         if args.cmd == "pin":
             pin(args.wheel, args.root)
+            return 0
+        if args.cmd == "new":
+            print(next_patch_name(args.topic, args.root))
             return 0
         ps = Patchset.load(args.root)
         if args.cmd == "apply":
@@ -854,16 +1036,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         else:
-            st = inspect_tree(args.tree, ps)
-            print(st.describe())
-            if st.state in ("base", "applied"):
-                for f in st.files:
-                    print(f"  {f.state:8} {f.path}")
-            wanted = (args.expect,) if args.expect else ("base", "applied")
-            return 0 if st.state in wanted else 1
+            return _check(args.tree, args.expect, ps)
     except PatchsetError as e:
         print(f"patchset: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        done = "nothing was written"
+        if args.cmd in ("apply", "revert"):
+            done = f"rolled back, {args.tree} is unchanged"
+        print(f"patchset: interrupted; {done}", file=sys.stderr)
+        return 130
     return 0
 
 

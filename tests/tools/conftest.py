@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import patchset
+from tools import overlay, patchset
 
 # A synthetic fork: the repo's patches plus added files in new directories.
 FORK_FILES = {
@@ -88,7 +88,7 @@ def wheel_tree(tmp_path, stock_wheel, repo_ps, fork_ps) -> Path:
 def site_tree(tmp_path, repo_ps, fork_ps) -> Path:
     """A copy of the installed site-packages, trimmed to the dirs the patch
     set needs, with its __pycache__ dirs and the vllm dist-info."""
-    stock = patchset.find_installed_vllm()
+    stock = overlay.find_installed_vllm()
     if stock is None:
         pytest.skip("vllm is not installed in this interpreter")
     site, dest = stock.parent, tmp_path / "site-packages"

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """tools/build_wheel.py: the fork wheel builds from the stock wheel, carries
-the patch set, installs with pip into a fresh venv, and its RECORD is right.
-Slow (a 336 MB unpack/repack/install): deselect locally with -m 'not slow'."""
+the patch set, installs with pip into a fresh venv, and its RECORD is right
+(slow: a 336 MB unpack/repack/install, deselect locally with -m 'not slow');
+a wrong stock wheel is refused saying which it is; the repack's progress line
+names the member being compressed."""
 
 from __future__ import annotations
 
@@ -21,11 +23,12 @@ from pathlib import Path
 import pytest
 
 from tools import build_wheel, patchset
-
-pytestmark = pytest.mark.slow
+from tools.patchset import PatchsetError
 
 KPOOL = "vllm/models/glm5next/nvidia/ops/kpool_compress.py"
-TAGS = "cp38-abi3-manylinux_2_28_x86_64"
+BASE = patchset.Patchset.load()
+TAGS = "-".join(str(BASE.base["wheel"]).removesuffix(".whl").split("-")[-3:])
+slow = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +54,19 @@ def patched(stock_wheel, repo_ps) -> dict[str, bytes]:
     return files
 
 
+@slow
 def test_wheel_name_and_metadata(built, repo_ps):
     whl, _ = built
-    version = f"0.33.0+glm5next.kpool{len(repo_ps.patches)}"
+    version = f"{repo_ps.version}+glm5next.kpool{len(repo_ps.patches)}"
     assert build_wheel.fork_version(repo_ps) == version
     assert whl.name == f"vllm-{version}-{TAGS}.whl"
     with zipfile.ZipFile(whl) as zf:
         names = set(zf.namelist())
         info = f"vllm-{version}.dist-info"
         assert {f"{info}/METADATA", f"{info}/WHEEL", f"{info}/RECORD"} <= names
-        assert not any(n.startswith("vllm-0.33.0.dist-info/") for n in names)
+        assert not any(
+            n.startswith(f"vllm-{repo_ps.version}.dist-info/") for n in names
+        )
         metadata = zf.read(f"{info}/METADATA").decode()
         assert re.search(rf"^Version: {re.escape(version)}$", metadata, re.M)
         assert metadata.count("\nVersion:") == 1
@@ -69,6 +75,7 @@ def test_wheel_name_and_metadata(built, repo_ps):
         ]
 
 
+@slow
 def test_wheel_record_matches_every_member(built):
     whl, _ = built
     from wheel.wheelfile import WheelFile  # verifies RECORD hashes while reading
@@ -80,6 +87,7 @@ def test_wheel_record_matches_every_member(built):
                     pass
 
 
+@slow
 def test_wheel_carries_the_patch_set(built, patched):
     whl, _ = built
     with zipfile.ZipFile(whl) as zf:
@@ -88,6 +96,7 @@ def test_wheel_carries_the_patch_set(built, patched):
         assert not [n for n in zf.namelist() if "__pycache__" in n]
 
 
+@slow
 def test_full_unpack_check_revert_apply(built, repo_ps, stock_wheel):
     """The builder's full `wheel unpack` tree: applied; reverts to the exact
     stock bytes; applies again."""
@@ -121,6 +130,7 @@ def _record_problems(site: Path, dist_info: Path) -> list[str]:
     return problems
 
 
+@slow
 def test_pip_install_into_fresh_venv(built, repo_ps, patched, tmp_path):
     whl, _ = built
     venv.create(tmp_path / "venv", with_pip=True, system_site_packages=False)
@@ -192,3 +202,82 @@ def test_setup_py_delegates(tmp_path):
         text=True,
     )
     assert r.returncode == 0 and "--wheel" in r.stdout
+
+
+def _fake_wheel(path: Path, version: str) -> Path:
+    """A zip that names itself vLLM ``version`` in its file name and dist-info."""
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"vllm-{version}.dist-info/METADATA", f"Version: {version}\n")
+        zf.writestr(KPOOL, "# not the pinned file\n")
+    return path
+
+
+def test_another_version_is_named(tmp_path, repo_ps):
+    v = repo_ps.version
+    fake = _fake_wheel(tmp_path / f"vllm-0.32.0-{TAGS}.whl", "0.32.0")
+    with pytest.raises(PatchsetError) as e:
+        build_wheel.verify(repo_ps, fake)
+    assert str(e.value).startswith(
+        f"{fake}: this is vLLM 0.32.0 (from vllm-0.32.0.dist-info), not vLLM {v}, "
+        f"the base the patch set is pinned to ({repo_ps.base_json}). Use "
+        f"{repo_ps.base['wheel']} (`make fetch` downloads it into build/cache/)"
+    )
+    tool = str(patchset.REPO_ROOT / "tools" / "build_wheel.py")
+    r = subprocess.run(
+        [
+            sys.executable,
+            tool,
+            "--wheel",
+            str(fake),
+            "--build-dir",
+            str(tmp_path / "b"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"build_wheel: error: {fake}: this is vLLM 0.32.0")
+    assert not (tmp_path / "b").exists()  # refused before unpacking
+
+
+def test_another_build_of_the_base_is_named(tmp_path, repo_ps):
+    fake = _fake_wheel(tmp_path / str(repo_ps.base["wheel"]), repo_ps.version)
+    with pytest.raises(PatchsetError) as e:
+        build_wheel.verify(repo_ps, fake)
+    found = patchset.sha256_file(fake)
+    assert str(e.value) == (
+        f"{fake}: expected base wheel sha256 {repo_ps.base['wheel_sha256']} "
+        f"({repo_ps.base_json}), found {found}: it is vLLM {repo_ps.version}, but "
+        f"another build of it or a damaged download. Use {repo_ps.base['wheel']}: "
+        "delete this one and run `make fetch`, or pass the pinned wheel with --wheel."
+    )
+
+
+def test_pack_progress_names_the_member(tmp_path, monkeypatch):
+    """While one large member is compressed (no output grows), every beat
+    says which member and how far the pack is."""
+    tree = tmp_path / "unpacked"
+    info = tree / "vllm-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Name: vllm\nVersion: 1.0\n")
+    (info / "WHEEL").write_text("Wheel-Version: 1.0\nTag: py3-none-any\n")
+    (tree / "vllm").mkdir()
+    (tree / "vllm" / "big.so").write_bytes(os.urandom(24 << 20))
+    (tree / "vllm" / "small.py").write_text("X = 1\n")
+    monkeypatch.setattr(build_wheel, "HEARTBEAT_S", 0.02)
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
+    lines: list[str] = []
+    out = build_wheel.pack(
+        tree, tmp_path / "vllm-1.0-py3-none-any.whl", 0, lines.append
+    )
+    assert "SOURCE_DATE_EPOCH" not in os.environ
+    beat = re.compile(
+        r"    \.\.\. wheel pack: \d+ s, 0 of 24 MB packed \(0 of 4 files\), "
+        r"compressing vllm/big\.so \(24\.0 MB\)"
+    )
+    assert any(beat.fullmatch(line) for line in lines), lines
+    from wheel.wheelfile import WheelFile
+
+    with WheelFile(out) as wf:
+        assert wf.read("vllm/small.py") == b"X = 1\n"  # RECORD checked on read
+        assert {i.date_time for i in wf.infolist()} == {(1980, 1, 1, 0, 0, 0)}

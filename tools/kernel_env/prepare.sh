@@ -6,11 +6,12 @@
 # stock sources into .device/stock and checks that .device holds the CuTe DSL
 # bundle (../shared/device/cutedsl-bundle.sh .device makes it).
 #
-#   tools/kernel_env/prepare.sh           # PYTHON: a python with vllm==0.33.0
+#   tools/kernel_env/prepare.sh           # PYTHON: a python with the pinned vllm
 #   KPOOL_TREE=DIR tools/kernel_env/prepare.sh   # stage from a patched tree
 #
-# The patched tree is the overlay tools/patchset.py builds (a hard-link copy
-# of the installed vllm with the patch set applied, cached in build/overlay).
+# The pinned vllm is the version in patches/base.json. The patched tree is the
+# overlay tools/overlay.py builds (a hard-link copy of the installed vllm with
+# the patch set applied, cached in build/overlay).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${PYTHON:-python3}
@@ -19,11 +20,16 @@ tree=${KPOOL_TREE:-}
 if [ -z "$tree" ]; then
   tree=$("$py" -c '
 import sys
-from tools import patchset
-stock = patchset.find_installed_vllm()
+from tools import overlay, patchset
+stock = overlay.find_installed_vllm()
 if stock is None:
-    sys.exit("prepare.sh: no vllm installed for this python; set PYTHON or KPOOL_TREE")
-print(patchset.build_overlay(stock, log=lambda m: print(m, file=sys.stderr)))
+    v = patchset.Patchset.load().version
+    sys.exit(f"prepare.sh: no vllm installed for {sys.executable}; expected vllm=={v}"
+             " (patches/base.json): set PYTHON to a python that has it, or KPOOL_TREE")
+try:
+    print(overlay.build_overlay(stock, log=lambda m: print(m, file=sys.stderr)))
+except patchset.PatchsetError as e:
+    sys.exit(f"prepare.sh: {e}")
 ')
 fi
 "$py" tools/kernel_env/stage.py --tree "$tree" --dest .device/stock
