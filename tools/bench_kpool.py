@@ -4,45 +4,51 @@
 
 Two sections, stock and ours side by side in the same run:
 
-- ``graph``: the median, over ``--replays`` replays of a CUDA graph, of the
-  time per launch of ``--launches`` back-to-back launches captured in it.
-  Bandwidth-bound inputs rotate through copies larger than the L2. Rows that
-  move a known number of bytes (the fewest: each input read once, each output
-  written once) give them as a share of the roofline, torch's
-  device-to-device copy of 1 and 2 GiB measured in the same run. The "decode
-  tail" rows are the indexer's tail after the top-k as each backend path runs
-  it, captured as one graph.
+- ``graph``: ``triton.testing.do_bench_cudagraph`` of each side: a CUDA graph
+  of back-to-back calls (as many as fill ``--graph-ms``), per call, the median
+  over its replays. Bandwidth-bound inputs rotate through copies larger than
+  the L2, one copy a call inside the graph. Rows that move a known number of
+  bytes (the fewest: each input read once, each output written once) give
+  them as a share of the roofline, torch's device-to-device copy of 1 and
+  2 GiB measured in the same run. The "decode tail" rows are the indexer's
+  tail after the top-k as each backend path runs it, a call the whole tail.
 - ``eager``: the wall time per call with the host included and no graph:
-  ``--eager-calls`` back-to-back calls between two synchronizes, divided by
-  the count (median of ``--eager-repeats``, stock and ours interleaved).
+  ``torch.utils.benchmark.Timer.timeit`` of ``--eager-calls`` back-to-back
+  calls between two synchronizes, ``--eager-repeats`` times a side with stock
+  and ours alternated, the median per call.
 
-Every kernel is compiled and warmed on its shapes before any timing. Runs with
-the fork installed or in the kernel-only environment (``KPOOL_KERNEL_ONLY=1``,
-tools/kernel_env). ``--dry-run`` builds every input on the CPU and checks each
-call against the real signatures, calling nothing on a GPU.
+Each figure comes with its spread, the interquartile range over the median:
+ratios closer to 1 than that are noise. Every kernel is compiled and warmed
+on its shapes before any timing. Runs with the fork installed or in the
+kernel-only environment (``KPOOL_KERNEL_ONLY=1``, tools/kernel_env). The JSON
+and the markdown name the commit (``--commit``, else git's HEAD) and the date.
+A case that raises prints its traceback and makes the run exit 1.
 
-    python tools/bench_kpool.py --json bench.json   # ~4 min on an H200
-    python tools/bench_kpool.py --quick             # ~1 min subset
+    python tools/bench_kpool.py --json bench.json   # about a minute on an H200
+    python tools/bench_kpool.py --quick             # a subset, faster
     python tools/plot_bench.py bench.json bench.png
 """
 
 import argparse
-import gc
-import inspect
+import itertools
 import json
 import math
 import os
 import platform
-import random
 import statistics
+import subprocess
 import sys
 import time
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+import torch.utils.benchmark as torch_benchmark
+import triton.testing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,33 +67,42 @@ PATHS = {
 }
 ROOF_TARGET = 0.9  # upcast, full and random ends, from 64 rows x 64K up
 EAGER_TARGET = 2.0  # eager stock/ours
-EAGER_WARMUP = 20
+SECTIONS = ("graph", "eager")
+DEVICE = torch.device("cuda")
+
+# (median µs per call, interquartile range over the median)
+Figure = tuple[float, float]
 
 
 @dataclass(frozen=True)
 class Plan:
+    """The shapes a run times and how long it times each."""
+
     rows: tuple = (1, 8, 32, 64, 128, 256)
     tokens: tuple = (1, 4)
     upcast_rows: tuple = (1, 8, 64, 256)
     widths: tuple = (16384, 65536, 262144)
     eager_width: int = 65536
     eager_calls: int = 300
-    replays: int = 50
+    eager_repeats: int = 11
+    # do_bench_cudagraph's rep: each replay averages hundreds of calls even at
+    # 5 ms; its default of 20 would make the run four times as long.
+    graph_ms: float = 5.0
 
 
 QUICK = Plan(
     rows=(1, 64, 256), tokens=(1,), upcast_rows=(1, 64, 256),
-    widths=(65536, 262144), eager_calls=100, replays=20,
+    widths=(65536, 262144), eager_calls=100, eager_repeats=5, graph_ms=2.0,
 )  # fmt: skip
 
-# The kernels, stock and ours, or signature-checking stand-ins (--dry-run).
+# The kernels, stock and ours (``load_kernels``).
 K = types.SimpleNamespace()
 
 
 # --- kernels ----------------------------------------------------------------
 
 
-def load_kernels(dry: bool) -> None:
+def load_kernels() -> None:
     """Fills ``K``; after argument parsing so that ``--help`` needs no vLLM."""
     if os.environ.get("KPOOL_KERNEL_ONLY") == "1":
         sys.path.insert(0, str(ROOT))
@@ -110,161 +125,72 @@ def load_kernels(dry: bool) -> None:
     K.expand_pools = kpool.expand_pools
     K.expand_and_remap = kpool.expand_and_remap
     K.upcast_logits = kpool.upcast_logits
-    if dry:
-        _install_fakes()
-
-
-def _fake(real, result=None, check=None):
-    """A stand-in that binds its arguments to ``real``'s signature (a wrong
-    keyword or arity raises as the real call would) and returns a shaped
-    placeholder."""
-    signature = inspect.signature(real)
-
-    def fake(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        if check is not None:
-            check(signature, bound.arguments)
-        return result(bound.arguments) if result is not None else None
-
-    return fake
-
-
-def _expanded(a):
-    rows, groups = a["pool_ids"].shape
-    cols = groups * a["pool_size"] + a["pool_size"] - 1
-    out = a["out"]
-    if out is None:
-        return torch.full((rows, cols), -1, dtype=torch.int32)
-    return out[:rows, :cols]
-
-
-def _upcast(a):
-    out = a.get("out")
-    return torch.empty(a["logits"].shape) if out is None else out
-
-
-def _converted(a):
-    out = a["out"] if a["out"] is not None else torch.empty_like(a["token_indices"])
-    if a["return_valid_counts"]:
-        return out, a["valid_counts_out"]
-    return out
-
-
-def _counts_none(signature, a):
-    # As the real kernel would: counts=None needs the no-counts remap.
-    if a["counts"] is None and signature.parameters["counts"].default is not None:
-        raise TypeError("expand_and_remap has no counts=None (no-counts) mode yet")
-
-
-def _install_fakes() -> None:
-    K.compress = types.SimpleNamespace()
-    K.stock_update = _fake(K.stock_update)
-    K.stock_expand = _fake(K.stock_expand, _expanded)
-    K.as_fp32_logits = _fake(K.as_fp32_logits, lambda a: torch.empty(0))
-    K.convert = _fake(K.convert, _converted)
-    K.kpool_update = _fake(K.kpool_update)
-    K.expand_pools = _fake(K.expand_pools, _expanded)
-    K.expand_and_remap = _fake(K.expand_and_remap, check=_counts_none)
-    K.upcast_logits = _fake(K.upcast_logits, _upcast)
 
 
 # --- timing -----------------------------------------------------------------
 
 
-class Timer:
-    """CUDA graph and eager timings; under ``--dry-run`` each function runs
-    once (on the CPU stand-ins) and the figures are made up."""
+@dataclass(frozen=True)
+class Timing:
+    """The run's two timers, each giving a ``Figure`` per callable."""
 
-    def __init__(self, args, plan: Plan, device):
-        self.dry, self.device = args.dry_run, device
-        self.launches, self.replays = args.launches, plan.replays
-        self.calls, self.repeats = plan.eager_calls, args.eager_repeats
-        self.fake = random.Random(0)
+    graph_ms: float
+    eager_calls: int
+    eager_repeats: int
 
-    def sync(self) -> None:
-        if not self.dry:
-            torch.cuda.synchronize()
+    def graph(self, fns: list[Callable]) -> Figure:
+        return graph_figure(fns, self.graph_ms)
 
-    def release(self) -> None:
-        """Hands a finished case's cached blocks (graph pools included) back."""
-        if not self.dry:
-            torch.cuda.empty_cache()
-
-    def graph(self, fns: list[Callable]) -> tuple[float, float]:
-        """(median µs per launch, spread) of ``fns`` captured in a graph."""
-        if self.dry:
-            for fn in fns:
-                fn()
-            return self.fake.uniform(1, 20), 0.0
-        return median_spread(graph_time_us(fns, self.launches, self.replays))
-
-    def eager(self, stock: Callable, ours: Callable) -> list[tuple[float, float]]:
-        """(median µs per call, spread) of stock and of ours, host included."""
-        if self.dry:
-            stock(), ours()
-            return [(self.fake.uniform(20, 60), 0.0), (self.fake.uniform(5, 30), 0.0)]
-        for _ in range(EAGER_WARMUP):
-            stock(), ours()
-        times: tuple[list, list] = ([], [])
-        for _ in range(self.repeats):  # interleaved: drift hits both sides
-            times[0].append(eager_time_us(stock, self.calls))
-            times[1].append(eager_time_us(ours, self.calls))
-        return [median_spread(t) for t in times]
+    def eager(self, stock: Callable, ours: Callable) -> list[Figure]:
+        return eager_figures([stock, ours], self.eager_calls, self.eager_repeats)
 
 
-def median_spread(times: list[float]) -> tuple[float, float]:
-    """The median and the spread (p90 - p10, or max - min for fewer than 10
-    samples) over the median: ratios closer to 1 than this are noise."""
-    middle = statistics.median(times)
-    if len(times) >= 10:
-        deciles = statistics.quantiles(times, n=10)
-        return middle, (deciles[-1] - deciles[0]) / middle
-    return middle, (max(times) - min(times)) / middle
+def rotating(fns: list[Callable]) -> Callable:
+    """One callable that calls ``fns`` in turn, one per call: captured in a
+    graph, consecutive launches read different input sets."""
+    turn = itertools.cycle(fns)
+    return lambda: next(turn)()
 
 
-def graph_time_us(fns, launches: int, replays: int) -> list[float]:
-    """Per-launch µs of ``launches`` calls (cycling through ``fns``) captured
-    in one CUDA graph, for each of ``replays`` replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:  # warm up on the capture stream: allocations, handles
-            fn()
+def graph_figure(fns: list[Callable], rep_ms: float) -> Figure:
+    """``do_bench_cudagraph`` of ``rotating(fns)``: the graph it captures
+    holds as many calls as ``rep_ms`` of them take, cycling through ``fns``,
+    and each replay's time is divided by that count, so the figure is per
+    call (per launch where a call is one kernel)."""
+    low, median, high = triton.testing.do_bench_cudagraph(
+        rotating(fns), rep=rep_ms, quantiles=[0.25, 0.5, 0.75]
+    )
+    return median * 1e3, (high - low) / median
+
+
+def eager_figures(fns: list[Callable], calls: int, repeats: int) -> list[Figure]:
+    """Wall time per call of each of ``fns``, host included: ``repeats``
+    ``Timer.timeit(calls)`` (``calls`` back-to-back calls between two
+    synchronizes, after a few untimed ones, garbage collection off) per
+    callable, the callables alternated so that drift hits each alike; the
+    median and IQR over the repeats."""
+    timers = [torch_benchmark.Timer("fn()", globals=dict(fn=fn)) for fn in fns]
+    runs: list[list] = [[] for _ in fns]
+    for _ in range(repeats):
+        for timer, run in zip(timers, runs, strict=True):
+            run.append(timer.timeit(calls))
+    return [measurement_figure(run) for run in runs]
+
+
+def measurement_figure(run: list) -> Figure:
+    merged = torch_benchmark.Measurement.merge(run)[0]  # times per call
+    return merged.median * 1e6, merged.iqr / merged.median
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(launches):
-                fns[i % len(fns)]()
-    torch.cuda.synchronize()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = (
-            torch.cuda.Event(enable_timing=True),
-            torch.cuda.Event(enable_timing=True),
-        )
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return times
 
 
-def eager_time_us(fn: Callable, calls: int) -> float:
-    """Wall µs per call of ``calls`` back-to-back eager calls, host included."""
-    gc.disable()  # a collection inside the loop would be charged to one side
-    try:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e6 / calls
-    finally:
-        gc.enable()
+def release() -> None:
+    """Hands a finished case's cached blocks (graph pools included) back."""
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # --- inputs -----------------------------------------------------------------
@@ -417,14 +343,14 @@ def stock_expand_remap(t, rows, seq):
 @dataclass
 class Case:
     """One stock/ours pair. ``build()`` makes the inputs (lazily, so that
-    ``--only`` skips them) and returns (stock fns, our fns, bytes per launch
-    or None, extra JSON fields)."""
+    ``--only`` skips them) and returns (stock fns, our fns, bytes per call
+    or None, extra JSON fields); more than one fn a side are input sets the
+    graph timing rotates through."""
 
     kernel: str
     size: str
     build: Callable
     fields: dict = field(default_factory=dict)
-    optional: bool = False  # may skip (a mode being added) without failing
 
 
 def graph_cases(plan: Plan, gen, device, budget) -> Iterator[Case]:
@@ -480,7 +406,7 @@ def topk_cases(rows: int, gen, device) -> Iterator[Case]:
 def tail_case(path: str, rows: int, gen, device) -> Case:
     """stock: update, -1 fill, int64 cast, positions + 1, expansion into a
     temporary, its copy into the top-k rows, the conversion; ours: update and
-    the fused expand + remap. Both as one graph."""
+    the fused expand + remap. A call is the whole tail."""
     mx, counts = PATHS[path]
 
     def build():
@@ -492,7 +418,7 @@ def tail_case(path: str, rows: int, gen, device) -> Case:
         )
 
     fields = dict(rows=rows, path=path)
-    return Case(f"decode tail {path}", f"{rows} rows", build, fields, not counts)
+    return Case(f"decode tail {path}", f"{rows} rows", build, fields)
 
 
 def upcast_case(rows, width, dist, gen, device, budget) -> Case:
@@ -536,32 +462,50 @@ def eager_cases(plan: Plan, gen, device) -> Iterator[Case]:
 # --- running ----------------------------------------------------------------
 
 
-def run_case(case: Case, section: str, timer: Timer, copy_gbs: float) -> dict:
+def run_cases(plan: Plan, sections, only: str, timing: Timing, copy_gbs, budget):
+    """One result row per case of ``sections`` whose kernel name holds
+    ``only``, in order; a case that raised gives a row with ``error``."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    cases = dict(
+        graph=lambda: graph_cases(plan, gen, DEVICE, budget),
+        eager=lambda: eager_cases(plan, gen, DEVICE),
+    )
+    rows = []
+    for section in sections:
+        for case in cases[section]():
+            if only in case.kernel:
+                rows.append(run_case(case, section, timing, copy_gbs))
+    return rows
+
+
+def run_case(case: Case, section: str, timing: Timing, copy_gbs: float) -> dict:
     row = dict(section=section, kernel=case.kernel, size=case.size, **case.fields)
     head = f"{section:5} {case.kernel:30} {case.size:>9}"
     try:
-        row.update(measure(case, section, timer, copy_gbs))
-    except Exception as error:  # the run goes on; the summary lists it
+        row.update(measure(case, section, timing, copy_gbs))
+    except Exception as error:  # the run goes on, then exits 1 (``main``)
+        traceback.print_exc()
         reason = f"{type(error).__name__}: {error}".splitlines()[0][:200]
-        print(f"{head} skipped: {reason}", flush=True)
-        return dict(row, skipped=reason, optional=case.optional)
+        print(f"{head} FAILED: {reason}", flush=True)
+        return dict(row, error=reason)
     finally:
-        timer.release()
+        release()
     s, o = row["stock_us"], row["ours_us"]
     roof = f" {row['ours_roof']:5.0%} of copy" if "ours_roof" in row else ""
     print(f"{head} stock {s:8.2f} µs ours {o:8.2f} µs x{s / o:5.2f}{roof}", flush=True)
     return row
 
 
-def measure(case: Case, section: str, timer: Timer, copy_gbs: float) -> dict:
+def measure(case: Case, section: str, timing: Timing, copy_gbs: float) -> dict:
     stock, ours, *rest = case.build()
     for fn in (*stock, *ours):  # compile and warm every shape, untimed
         fn()
-    timer.sync()
+    synchronize()
     if section == "graph":
-        (s, s_spread), (o, o_spread) = timer.graph(stock), timer.graph(ours)
+        (s, s_spread), (o, o_spread) = timing.graph(stock), timing.graph(ours)
     else:
-        (s, s_spread), (o, o_spread) = timer.eager(stock[0], ours[0])
+        (s, s_spread), (o, o_spread) = timing.eager(stock[0], ours[0])
     row = dict(rest[1] if len(rest) > 1 else {}, stock_us=s, ours_us=o)
     row.update(ratio=s / o, stock_spread=s_spread, ours_spread=o_spread)
     # Bytes over an eager wall time would measure the host: graph rows only.
@@ -578,86 +522,44 @@ def roofline(moved: float, stock_us: float, ours_us: float, copy_gbs: float):
     )  # fmt: skip
 
 
-def copy_roofline(timer: Timer, sizes) -> dict:
+# --- the machine ------------------------------------------------------------
+
+
+def machine_meta(timing: Timing) -> dict:
+    """Versions, the launch floor and the copy roofline, on the GPU."""
+    meta = versions()
+    meta["launch_floor_us"] = launch_floor_us(timing)
+    meta["copy"] = copy_roofline(timing, (1 << 30, 2 << 30))
+    meta["copy_gbs"] = meta["copy"]["copy_gbs"]
+    return meta
+
+
+def copy_roofline(timing: Timing, sizes) -> dict:
     """torch's device-to-device copy (bytes read + written per second), graph
     replayed and event timed; the best is the roofline."""
     figures = {}
     for size in sizes:
-        figures.update(copy_figures(timer, size))
-    if not timer.dry:
-        torch.cuda.empty_cache()
+        figures.update(copy_figures(timing, size))
+    release()
     figures["copy_gbs"] = max(figures.values())
     return figures
 
 
-def copy_figures(timer: Timer, size: int) -> dict:
-    src = torch.randn(size // 4, device=timer.device)
+def copy_figures(timing: Timing, size: int) -> dict:
+    """GB/s of one copy of ``size`` bytes, in a graph and alone (each call
+    event-timed after an L2 flush: ``triton.testing.do_bench``)."""
+    src = torch.randn(size // 4, device=DEVICE)
     dst = torch.empty_like(src)
+    copy = lambda: dst.copy_(src)
     tag = f"{size / (1 << 30):g}GiB"
-    us = timer.graph([lambda: dst.copy_(src)])[0]
-    figures = {f"{tag}_graph_gbs": 2 * size / us}
-    if not timer.dry:
-        figures[f"{tag}_event_gbs"] = 2 * size / event_time_us(dst, src)
-    return {k: v / 1e3 for k, v in figures.items()}
+    graph_us = timing.graph([copy])[0]
+    event_us = triton.testing.do_bench(copy, return_mode="median") * 1e3
+    return {f"{tag}_graph_gbs": 2 * size / graph_us / 1e3,
+            f"{tag}_event_gbs": 2 * size / event_us / 1e3}  # fmt: skip
 
 
-def event_time_us(dst, src, reps: int = 20) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = (
-            torch.cuda.Event(enable_timing=True),
-            torch.cuda.Event(enable_timing=True),
-        )
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def upcast_sweep(timer: Timer, device, budget, copy_gbs: float) -> None:
-    """Times the upcast kernel with each bound on its CTAs, for each row-end
-    distribution, against stock and as % of the copy, to choose
-    ``upcast_config``. Prints one line per shape and distribution."""
-    from vllm.models.glm5next.nvidia.specialized_decode import upcast_kernel as U
-
-    sizes = [(1, 65536), (8, 65536), (8, 262144), (32, 65536), (64, 16384),
-             (64, 65536), (64, 262144), (128, 65536), (128, 262144), (256, 16384),
-             (256, 65536), (256, 262144)]  # fmt: skip
-    bounds = (256, 384, 512, 768, 1024)
-    key = U.UPCAST_LAUNCH[0]
-    gen = torch.Generator().manual_seed(1)
-    for dist in DISTS:
-        for rows, width in sizes:
-            sets = upcast_sets(rows, width, dist, gen, device, budget)
-            moved = sum(s[3] for s in sets) / len(sets)
-            stock = timer.graph(
-                [lambda s=s: K.as_fp32_logits(s[0], s[1]) for s in sets]
-            )[0]
-            timed = []
-            for ctas in bounds:
-                fns = [
-                    lambda s=s, c=ctas: U.UPCAST.run(key, s[0], s[2], s[1], c)
-                    for s in sets
-                ]
-                timed.append((timer.graph(fns)[0], ctas))
-            timed.sort()
-            best = timed[0]
-            cur = next(t for t in timed if t[1] == U.upcast_config(rows, width))
-            pct = 100 * moved / (best[0] * 1e3) / copy_gbs
-            print(
-                f"sweep {dist} {rows}x{width // 1024}K: stock {stock:.2f} | best "
-                f"c{best[1]} {best[0]:.2f} ({pct:.0f}% copy) | "
-                f"current {cur[0]:.2f} | "
-                + " ".join(f"c{c}:{us:.2f}" for us, c in timed),
-                flush=True,
-            )
-
-
-def launch_floor_us(timer: Timer) -> float | None:
-    if timer.dry:
-        return None
+def launch_floor_us(timing: Timing) -> float:
+    """An empty one-warp CuTe DSL kernel with PDL, per launch in a graph."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
 
@@ -673,29 +575,27 @@ def launch_floor_us(timer: Timer) -> float | None:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
 
-    st = lambda: cuda.CUstream(torch.cuda.current_stream().cuda_stream)  # noqa: E731
+    st = lambda: cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     compiled = cute.compile(Empty(), st())
-    return timer.graph([lambda: compiled(st())])[0]
+    return timing.graph([lambda: compiled(st())])[0]
 
 
-def versions(dry: bool) -> dict:
-    import triton
+def versions() -> dict:
+    return dict(
+        gpu=torch.cuda.get_device_name(), driver=driver_version(),
+        torch=torch.__version__, triton=triton.__version__,
+        cutedsl=cutedsl_version(), python=platform.python_version(),
+    )  # fmt: skip
 
-    driver = None
+
+def driver_version() -> str | None:
     try:
-        import subprocess
-
-        driver = subprocess.run(
+        return subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
-    except Exception:  # the report must not die on a version lookup
-        pass
-    return dict(
-        gpu="dry run (CPU)" if dry else torch.cuda.get_device_name(), driver=driver,
-        torch=torch.__version__, triton=triton.__version__, cutedsl=cutedsl_version(),
-        python=platform.python_version(),
-    )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):  # the report goes on without
+        return None
 
 
 def cutedsl_version() -> str:
@@ -712,49 +612,95 @@ def cutedsl_version() -> str:
         return f"unknown ({error})"
 
 
+def stamp(commit: str | None) -> dict:
+    """What a run measured: ``commit``, else git's short HEAD where this tree
+    is a checkout, else "unknown"; and when, in UTC."""
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return dict(commit=commit or git_head() or "unknown", date=now)
+
+
+def git_head() -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):  # no git, or no .git here
+        return None
+    return done.stdout.strip() or None
+
+
 # --- report -----------------------------------------------------------------
 
 
 def target_misses(rows: list[dict]) -> list[str]:
-    """Lines naming every measured row that misses a target."""
-    done = [r for r in rows if "skipped" not in r]
-    slower = [r for r in done if r["section"] == "graph" and r["ratio"] < 1]
-    roof = [
-        r for r in done
-        if r["section"] == "graph" and r.get("dist") in ("full", "random")
-        and r["rows"] >= 64 and r["width"] >= 65536 and r["ours_roof"] < ROOF_TARGET
-    ]  # fmt: skip
-    eager = [r for r in done if r["section"] == "eager" and r["ratio"] < EAGER_TARGET]
+    """One line per target: "met" only where every row it covers was
+    measured and none misses it; else the misses and the rows that failed,
+    or "not measured" where the run covered none."""
 
-    def names(rs, figure):
-        return ", ".join(f"{r['kernel']} {r['size']} ({figure(r)})" for r in rs)
+    def graph(r):
+        return r["section"] == "graph"
+
+    def roof_rows(r):
+        return (
+            graph(r) and r.get("dist") in ("full", "random")
+            and r["rows"] >= 64 and r["width"] >= 65536
+        )  # fmt: skip
 
     def ratio(r):  # with the larger side's spread: a miss within it is noise
         return f"x{r['ratio']:.2f} ±{max(r['stock_spread'], r['ours_spread']):.0%}"
 
     return [
-        "graph, ours at least as fast as stock: " + (names(slower, ratio) or "met"),
-        f"upcast (full, random ends; >= 64 rows x 64K) >= {ROOF_TARGET:.0%} of copy: "
-        + (names(roof, lambda r: f"{r['ours_roof']:.0%}") or "met"),
-        f"eager, stock/ours >= {EAGER_TARGET:g}: " + (names(eager, ratio) or "met"),
-    ]
+        verdict("graph, ours at least as fast as stock", rows, graph,
+                lambda r: r["ratio"] < 1, ratio),
+        verdict(f"upcast (full, random ends; >= 64 rows x 64K) >= "
+                f"{ROOF_TARGET:.0%} of copy", rows, roof_rows,
+                lambda r: r["ours_roof"] < ROOF_TARGET,
+                lambda r: f"{r['ours_roof']:.0%}"),
+        verdict(f"eager, stock/ours >= {EAGER_TARGET:g}", rows,
+                lambda r: r["section"] == "eager",
+                lambda r: r["ratio"] < EAGER_TARGET, ratio),
+    ]  # fmt: skip
+
+
+def verdict(target: str, rows, covers, misses, figure) -> str:
+    covered = [r for r in rows if covers(r)]
+    failed = [r for r in covered if "error" in r]
+    missed = [r for r in covered if "error" not in r and misses(r)]
+    if not covered:
+        return f"{target}: not measured"
+    parts = []
+    if missed:
+        parts.append(
+            "missed by " + ", ".join(f"{name(r)} ({figure(r)})" for r in missed)
+        )
+    if failed:
+        parts.append(f"unknown, {len(failed)} failed: " + ", ".join(map(name, failed)))
+    return f"{target}: " + ("; ".join(parts) or "met")
+
+
+def name(r: dict) -> str:
+    return f"{r['kernel']} {r['size']}"
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     names = ("gpu", "driver", "torch", "triton", "cutedsl")
     copies = [f"{k[:-4]} {v:.0f}" for k, v in meta["copy"].items() if k != "copy_gbs"]
     lines = [
+        f"commit {meta['commit']}, {meta['date']}",
+        "",
         " | ".join(f"{k} {meta[k]}" for k in names),
         (
-            f"launch floor {meta['launch_floor_us'] or 0:.2f} µs; roofline: copy "
+            f"launch floor {meta['launch_floor_us']:.2f} µs; roofline: copy "
             f"{meta['copy_gbs']:.0f} GB/s, read + write ({', '.join(copies)})"
         ),
+        "",
     ]
     lines += [f"- {m}" for m in target_misses(rows)]
-    lines += [f"- skipped: {m}" for m in skipped(rows)]
+    lines += [f"- FAILED: {m}" for m in failures(rows)]
     graph = [table_row(r, True) for r in rows if r["section"] == "graph"]
     if any(graph):
-        lines += ["", "| CUDA graph, µs per launch | size | stock | ours | "]
+        lines += ["", "| CUDA graph, µs per call | size | stock | ours | "]
         lines[-1] += "stock/ours | stock % roof | ours % roof |"
         lines += ["|---|---|--:|--:|--:|--:|--:|", *graph]
     eager = [table_row(r, False) for r in rows if r["section"] == "eager"]
@@ -764,19 +710,19 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(line for line in lines if line is not None)
 
 
-def skipped(rows: list[dict]) -> list[str]:
-    """One line per kernel and reason, with the sizes it skipped."""
+def failures(rows: list[dict]) -> list[str]:
+    """One line per kernel and error, with the sizes it failed at."""
     grouped: dict = {}
     for r in rows:
-        if "skipped" in r:
-            key = (r["section"], r["kernel"], r["skipped"])
+        if "error" in r:
+            key = (r["section"], r["kernel"], r["error"])
             grouped.setdefault(key, []).append(r["size"])
     return [f"{s} {k} ({', '.join(sizes)}): {why}" for (s, k, why), sizes in
             grouped.items()]  # fmt: skip
 
 
 def table_row(r: dict, roofs: bool) -> str | None:
-    if "skipped" in r:
+    if "error" in r:
         return None
     line = f"| {r['kernel']} | {r['size']} | {r['stock_us']:.2f} | "
     line += f"{r['ours_us']:.2f} | {r['ratio']:.2f} |"
@@ -787,69 +733,70 @@ def table_row(r: dict, roofs: bool) -> str | None:
     return line
 
 
+def write_report(rows: list[dict], meta: dict, json_path: Path, md_path: Path):
+    """The JSON (``meta`` and the result rows) and its markdown summary;
+    returns the summary."""
+    json_path.write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
+    summary = markdown(rows, meta)
+    md_path.write_text(summary + "\n")
+    return summary
+
+
 # --- main -------------------------------------------------------------------
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--json", type=Path, default=Path("bench.json"))
     add("--md", type=Path, help="markdown summary (default: the JSON path, .md)")
-    add("--quick", action="store_true", help="a ~1 minute subset")
-    add("--dry-run", action="store_true", help="CPU stand-ins; touches no GPU")
-    add("--launches", type=int, default=20, help="launches per CUDA graph")
-    add("--replays", type=int, help="graph replays (default 50, --quick 20)")
-    add("--eager-calls", type=int, help="calls per timing (300, --quick 100)")
-    add("--eager-repeats", type=int, default=3, help="eager timings, median")
-    add("--sections", default="graph,eager", help="comma-separated")
+    add("--commit", help="the commit measured (default: git rev-parse --short HEAD)")
+    add("--quick", action="store_true", help="a subset of the shapes, faster")
+    add("--graph-ms", type=float, help="ms of calls per graph (5, --quick 2)")
+    add("--eager-calls", type=int, help="calls per eager timing (300, --quick 100)")
+    add("--eager-repeats", type=int, help="eager timings a side (11, --quick 5)")
+    add("--sections", default=",".join(SECTIONS), help="comma-separated")
     add("--only", default="", help="substring of kernel names")
     add("--mem-gib", type=float, default=6.0, help="upcast rotation sets' cap")
-    add("--upcast-sweep", action="store_true", help="time upcast_logits configs")
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    args.sections = args.sections.split(",")
+    if unknown := set(args.sections) - set(SECTIONS):
+        parser.error(f"--sections: {', '.join(sorted(unknown))} not in {SECTIONS}")
+    return args
 
 
 def make_plan(args) -> Plan:
     plan = QUICK if args.quick else Plan()
-    overrides = dict(replays=args.replays, eager_calls=args.eager_calls)
+    overrides = dict(
+        graph_ms=args.graph_ms,
+        eager_calls=args.eager_calls,
+        eager_repeats=args.eager_repeats,
+    )
     return Plan(**{**vars(plan), **{k: v for k, v in overrides.items() if v}})
 
 
-def main() -> int:
-    args = parse_args()
-    load_kernels(args.dry_run)
+def main(argv=None) -> int:
+    """Runs the plan, writes the JSON and markdown; 1 if any case raised."""
+    args = parse_args(argv)
+    load_kernels()
     plan = make_plan(args)
-    device = torch.device("cpu" if args.dry_run else "cuda")
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
-    timer = Timer(args, plan, device)
-    # Stand-ins allocate on the CPU: keep the rotation sets small there.
-    budget = int((0.25 if args.dry_run else args.mem_gib) * (1 << 30))
+    timing = Timing(plan.graph_ms, plan.eager_calls, plan.eager_repeats)
     started = time.perf_counter()
-    meta = versions(args.dry_run)
-    meta["launch_floor_us"] = launch_floor_us(timer)
-    sizes = (1 << 20, 2 << 20) if args.dry_run else (1 << 30, 2 << 30)
-    meta["copy"] = copy_roofline(timer, sizes)
-    meta["copy_gbs"] = meta["copy"]["copy_gbs"]
-    meta["plan"] = vars(plan) | dict(launches=args.launches, quick=args.quick)
-    if args.upcast_sweep:  # a tuning run: the sweep alone
-        upcast_sweep(timer, device, budget, meta["copy_gbs"])
-        return 0
-    sections = dict(
-        graph=lambda: graph_cases(plan, gen, device, budget),
-        eager=lambda: eager_cases(plan, gen, device),
-    )
-    rows = []
-    for section in args.sections.split(","):
-        for case in sections[section]():
-            if args.only in case.kernel:
-                rows.append(run_case(case, section, timer, meta["copy_gbs"]))
+    meta = stamp(args.commit) | machine_meta(timing)
+    meta["plan"] = vars(plan) | dict(quick=args.quick)
+    meta["timers"] = dict(
+        graph="triton.testing.do_bench_cudagraph", spread="IQR / median",
+        eager="torch.utils.benchmark.Timer.timeit, stock and ours alternated",
+    )  # fmt: skip
+    budget = int(args.mem_gib * (1 << 30))
+    rows = run_cases(plan, args.sections, args.only, timing, meta["copy_gbs"], budget)
     meta["wall_s"] = time.perf_counter() - started
-    args.json.write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
-    summary = markdown(rows, meta)
-    (args.md or args.json.with_suffix(".md")).write_text(summary + "\n")
-    print(f"\nwrote {args.json}; {meta['wall_s']:.0f} s\n")
-    print(summary)
-    failed = [r for r in rows if "skipped" in r and not r["optional"]]
+    md = args.md or args.json.with_suffix(".md")
+    summary = write_report(rows, meta, args.json, md)
+    print(f"\nwrote {args.json}, {md}; {meta['wall_s']:.0f} s\n\n{summary}")
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        print(f"\n{len(failed)} case(s) failed (tracebacks above)", file=sys.stderr)
     return 1 if failed else 0
 
 

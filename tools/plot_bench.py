@@ -6,7 +6,9 @@ the copy roofline, stock and ours.
 
     python tools/plot_bench.py bench.json docs/bench.png   # needs matplotlib
 
-Reads the older JSON too (no sections, one upcast distribution).
+The title names the commit and the date the JSON records ("unknown" for a
+JSON from before they were recorded). Reads the older JSON too (no sections,
+one upcast distribution); rows that failed or were skipped are left out.
 """
 
 import argparse
@@ -109,13 +111,23 @@ def finish(ax, title, ylabel) -> None:
         ax.legend(fontsize=6)
 
 
+def title(meta: dict) -> str:
+    """The figure's title: what was measured (commit, date), then where."""
+    return (
+        f"commit {meta.get('commit', 'unknown')}, {meta.get('date', 'date unknown')}"
+        f"\n{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}, triton "
+        f"{meta['triton']}, CuTe DSL {meta['cutedsl']}; launch floor "
+        f"{meta['launch_floor_us'] or 0:.2f} µs, copy {meta['copy_gbs']:.0f} GB/s"
+    )
+
+
 def plot(data: dict, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [normalize(r) for r in data["results"] if "skipped" not in r]
+    rows = [normalize(r) for r in data["results"] if "stock_us" in r]
     graph = [r for r in rows if r["section"] == "graph"]
     eager = [r for r in rows if r["section"] == "eager"]
     upcast = defaultdict(list)
@@ -131,12 +143,7 @@ def plot(data: dict, png: Path) -> None:
         by_width = series(upcast[dist], lambda r: f"{r['width'] // 1024}K")
         draw_ratios(axes[1][col], by_width, f"upcast_logits, {dist} ends, graph")
         draw_roofline(axes[2][col], upcast[dist], dist)
-    meta = data["meta"]
-    fig.suptitle(
-        f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}, triton "
-        f"{meta['triton']}, CuTe DSL {meta['cutedsl']}; launch floor "
-        f"{meta['launch_floor_us'] or 0:.2f} µs, copy {meta['copy_gbs']:.0f} GB/s"
-    )
+    fig.suptitle(title(data["meta"]))
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
