@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The patched GLM-5-Next indexer driven as serving runs it, stage against
-stock, byte for byte after every step, at scale; and its per-layer timing
-(``tests/models/glm5next/indexer_steps.py``, ``indexer_timing.py``).
+stock, byte for byte after every step, at scale; and its per-layer timing:
+the command line of ``tools.indexer`` (``steps.py``, ``timing.py``).
 
 On the kernel-only GPU machine (after ``tools/kernel_env/prepare.sh`` here):
 
@@ -17,7 +17,9 @@ Default matrix: every backend path (``sm100``, ``flashmla_fp8``,
 ``flashinfer_sm90``) x every mode (``eager``, ``full``, ``piecewise``) with
 the tail cache split as the indexer's (the stage runs in speculative steps),
 plus each backend eagerly with the tail cache's stock split
-(``KpoolTailMetadataBuilder``: threshold 1). ``--seed`` or ``KPOOL_SEED``
+(``KpoolTailMetadataBuilder``: threshold 1), plus each backend eagerly with
+two engines' stages in one process (``--stages 2`` runs only those).
+``--seed`` or ``KPOOL_SEED``
 replays a run. Prints one summary line per run; the JSON (rewritten after
 every run, so a command that runs out of time keeps what finished) holds the
 reports, the timing rows (``--time``) and the stand-ins (how ties break).
@@ -36,7 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ROOT / "tests/models/glm5next"
 BACKENDS = ("sm100", "flashmla_fp8", "flashinfer_sm90")
 MODES = ("eager", "full", "piecewise")
 
@@ -47,18 +48,18 @@ def _setup(cpu: bool) -> str:
     if cpu or shutil.which("nvidia-smi") is None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    sys.path[:0] = [str(ROOT), str(DRIVER)]
+    sys.path.insert(0, str(ROOT))
     if os.environ.get("KPOOL_KERNEL_ONLY") == "1":
         from tools.kernel_env.shim import install_from_env
 
         install_from_env()
         return "kernel-only shim"
-    from tools import patchset
+    from tools import overlay
 
-    stock = patchset.find_installed_vllm()
+    stock = overlay.find_installed_vllm()
     if stock is None:
         sys.exit("indexer_steps.py: no vllm installed; set KPOOL_KERNEL_ONLY=1")
-    sys.path.insert(0, str(patchset.build_overlay(stock)))
+    sys.path.insert(0, str(overlay.build_overlay(stock)))
     return "patched overlay"
 
 
@@ -77,20 +78,26 @@ def _args() -> argparse.Namespace:
     add("--cpu-smoke", action="store_true", help="a few interpreted CPU steps")
     add("--budget-s", type=float, default=0, help="start no run after this")
     add("--hold-cycles", type=int, default=200_000, help="stream hold-back (GPU)")
+    add("--stages", type=int, default=None, help="2: the two-stage runs alone")
     return parser.parse_args()
 
 
-def _matrix(args) -> list[tuple[str, str, str]]:
+def _matrix(args) -> list[tuple[str, str, str, int]]:
+    """(backend, mode, tail split, stages) of each run."""
     backends = args.backends.split(",")
     if args.cpu_smoke:
-        return [(b, "eager", "indexer") for b in backends]
+        return [(b, "eager", "indexer", args.stages or 1) for b in backends]
+    if args.stages:
+        return [(b, "eager", "indexer", args.stages) for b in backends]
     if args.modes or args.tail_splits:
         modes = (args.modes or ",".join(MODES)).split(",")
         splits = (args.tail_splits or "indexer").split(",")
-        return list(itertools.product(backends, modes, splits))
-    return [(b, m, "indexer") for b in backends for m in MODES] + [
-        (b, "eager", "stock") for b in backends
-    ]
+        return [(*run, 1) for run in itertools.product(backends, modes, splits)]
+    return (
+        [(b, m, "indexer", 1) for b in backends for m in MODES]
+        + [(b, "eager", "stock", 1) for b in backends]
+        + [(b, "eager", "indexer", 2) for b in backends]
+    )
 
 
 def main() -> int:
@@ -98,9 +105,10 @@ def main() -> int:
     where = _setup(args.cpu_smoke)
     import torch
     import triton
-    from indexer_batches import Geometry, Workload
-    from indexer_refs import TIE_BREAK
-    from indexer_steps import CPU_GEOMETRY, CPU_WORK, Config, fuzz_seed, run
+
+    from tools.indexer.batches import Geometry, Workload
+    from tools.indexer.refs import TIE_BREAK
+    from tools.indexer.steps import CPU_GEOMETRY, CPU_WORK, Config, fuzz_seed, run
 
     seed = fuzz_seed() if args.seed is None else args.seed
     device = "cpu" if args.cpu_smoke else "cuda"
@@ -115,7 +123,7 @@ def main() -> int:
         tie_break=TIE_BREAK,
         stand_ins="DeepGEMM paged/ragged MQA logits, the decode and prefill "
         "top-k, cp_gather_indexer_k_quant_cache and the workspace manager: "
-        "torch references (tests/models/glm5next/indexer_refs.py), both sides",
+        "torch references (tools/indexer/refs.py), both sides",
     )  # fmt: skip
     if device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
@@ -129,14 +137,14 @@ def main() -> int:
             result = dict(meta=meta, runs=runs, timing=timing)
             args.json.write_text(json.dumps(result, indent=1, default=str))
 
-    for backend, mode, split in [] if args.time_only else _matrix(args):
+    for backend, mode, split, stages in [] if args.time_only else _matrix(args):
         if args.budget_s and time.time() - start > args.budget_s:
-            print(f"budget spent: {backend}/{mode}/tail-{split} not run")
-            meta.setdefault("not_run", []).append(f"{backend}/{mode}/tail-{split}")
+            name = f"{backend}/{mode}/tail-{split}/{stages} stages"
+            print(f"budget spent: {name} not run")
+            meta.setdefault("not_run", []).append(name)
             continue
         cfg = Config(backend, mode, geo=geo, seed=seed,
-                     work=Workload(tail_split=split, **work),
-                     compile_kernels=not args.cpu_smoke,
+                     work=Workload(tail_split=split, **work), stages=stages,
                      hold_cycles=args.hold_cycles)  # fmt: skip
         report = run(cfg, device)
         print(report.line(), flush=True)
@@ -146,7 +154,7 @@ def main() -> int:
         runs.append(report.as_dict())
         dump()
     if args.time or args.time_only:
-        from indexer_timing import STAND_INS, UNIT, time_layers
+        from tools.indexer.timing import STAND_INS, UNIT, time_layers
 
         meta |= dict(timing_unit=UNIT, timing_stand_ins=STAND_INS)
         for backend in args.backends.split(","):

@@ -10,10 +10,15 @@ the very files the real import loaded. Every lifted statement, lifted object
 and whole module must be the real import's text; the whole ``jit_warmup``
 modules and the patched indexer must load; and both sides run the stock
 Triton kernels under ``TRITON_INTERPRET=1`` on the same inputs, with results
-equal byte for byte. (The patched indexer itself runs through the shim in
+equal byte for byte. Every name the specialized decode's modules import from
+vLLM resolves in the shim, to the real import's object (same source) or to a
+stand-in listed in ``STAND_INS``, and the whole package imports there. (The
+patched indexer itself runs through the shim in
 ``tests/models/glm5next/test_indexer_decode_steps.py``.)
 """
 
+import ast
+import dataclasses
 import importlib
 import inspect
 import os
@@ -50,6 +55,20 @@ EXPORTS = {
     ),
     SPARSE_INDEXER: ("sparse_attn_indexer_kpool", "SPECIALIZED_KPOOL"),
 }
+# What the specialized decode imports from vLLM that the shim serves with a
+# stand-in (``stubs.py``), not the stock object: why each.
+STAND_INS = {
+    # logging.getLogger plus vLLM's *_once methods.
+    "vllm.logger.init_logger": "vLLM's logger configuration is not staged",
+    # Stock's reads the device and DeepGEMM; the stand-in the device
+    # (forced by shim.set_mx_scales).
+    "vllm.utils.deep_gemm.mqa_logits_use_mx_scales": "no DeepGEMM",
+    # torch.cuda.current_stream (stock's wraps it for ROCm/XPU).
+    "vllm.utils.torch_utils.current_stream": "torch_utils is not staged",
+    # CUDA when torch sees a GPU.
+    "vllm.platforms.current_platform": "no platform detection",
+}
+MLA_METADATA = "vllm.model_executor.layers.attention.mla_attention.MLACommonMetadata"
 # kpool update sizes: requests x tokens, head dim, pool, ring, page.
 R, N, D, POOL, RING, PAGE = 3, 2, 128, 4, 8, 4
 
@@ -72,11 +91,50 @@ def _resolve(qualname: str, stock_modules) -> object:
 
 
 def describe(obj) -> str:
-    """Source of a function, class or Triton kernel (its ``fn``); else repr."""
+    """Source of a module, function, class or Triton kernel (its ``fn``);
+    else repr."""
     obj = getattr(obj, "fn", obj)
-    if inspect.isfunction(obj) or inspect.isclass(obj) or hasattr(obj, "__wrapped__"):
+    if (
+        inspect.ismodule(obj)
+        or inspect.isfunction(obj)
+        or inspect.isclass(obj)
+        or hasattr(obj, "__wrapped__")
+    ):
         return inspect.getsource(obj)
     return repr(obj)
+
+
+def product_imports() -> list[str]:
+    """``module.name`` of every name the specialized decode's modules import
+    from vLLM (at the top or inside a function), its own package aside."""
+    names = set()
+    for path in (REPO / SPECIALIZED.replace(".", "/")).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = getattr(node, "module", None) or ""
+            if (
+                isinstance(node, ast.ImportFrom)
+                and module.partition(".")[0] == "vllm"
+                and not module.startswith(SPECIALIZED)
+            ):
+                names.update(f"{module}.{alias.name}" for alias in node.names)
+    return sorted(names)
+
+
+def resolve_import(qualname: str):
+    """What ``from module import name`` binds (an attribute or a submodule)."""
+    module, _, name = qualname.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except AttributeError:
+        return importlib.import_module(qualname)
+
+
+def fields(cls) -> list[tuple[str, str]]:
+    """A dataclass's fields: (name, its default's repr, or "required")."""
+    return [
+        (f.name, "required" if f.default is dataclasses.MISSING else repr(f.default))
+        for f in dataclasses.fields(cls)
+    ]
 
 
 def make_inputs(seed: int) -> dict:
@@ -381,6 +439,36 @@ def test_whole_modules_and_the_indexer_load(shim_side):
     assert result["exports"] == {module: [] for module in EXPORTS}
 
 
+def test_product_imports_resolve_to_stock(real, shim_side):
+    """Each name the specialized decode imports from vLLM (``vllm.logger``,
+    the forward context, ``as_fp32_logits``, ``kpool_compress``,
+    ``mqa_logits_use_mx_scales``, ``current_stream``, the index group,
+    ``jit_warmup_cutedsl_helper``, the configs...) resolves in the shim: to
+    the real import's object, source for source, or to a listed stand-in."""
+    _, result = shim_side
+    served = result["product_imports"]
+    assert list(served) == product_imports()
+    missing = {k: v for k, v in served.items() if v.startswith("missing: ")}
+    assert not missing, missing
+    assert set(STAND_INS) <= set(served), set(STAND_INS) - set(served)
+    for qualname, source in served.items():
+        if qualname not in STAND_INS:
+            assert source == describe(resolve_import(qualname)), qualname
+
+
+def test_mla_metadata_stand_in_has_the_stock_fields(real, shim_side):
+    """The shim's ``MLACommonMetadata`` (``mla_attention.py`` is not staged)
+    has the stock dataclass's fields in order, defaults where stock has them,
+    so the lifted ``SparseMLACommonMetadata`` takes what vLLM's takes."""
+    _, result = shim_side
+    real_cls = _resolve(MLA_METADATA, [MLA_METADATA.rpartition(".")[0]])
+    assert result["mla_metadata_fields"] == fields(real_cls)
+    sparse = "vllm.model_executor.layers.attention.sparse_mla_attention"
+    assert result["sparse_metadata_fields"] == fields(
+        importlib.import_module(sparse).SparseMLACommonMetadata
+    )
+
+
 def test_no_real_vllm_in_the_shim_process(shim_side):
     """Every ``vllm`` module there is the shim's, a staged file or the repo's;
     the fork's specialized decode imports from the repo."""
@@ -419,8 +507,22 @@ def _shim_main(tmp: str) -> None:
         module: [name for name in names if not hasattr(sys.modules[module], name)]
         for module, names in EXPORTS.items()
     }
-    try:  # what the GPU tier imports: kpool, its package and its kernels
-        importlib.import_module(SPECIALIZED + ".kpool")
+    result["product_imports"] = {}
+    for qualname in product_imports():
+        try:
+            result["product_imports"][qualname] = describe(resolve_import(qualname))
+        except Exception as e:
+            result["product_imports"][qualname] = f"missing: {type(e).__name__}: {e}"
+    mla = importlib.import_module(MLA_METADATA.rpartition(".")[0])
+    sparse = "vllm.model_executor.layers.attention.sparse_mla_attention"
+    result["mla_metadata_fields"] = fields(mla.MLACommonMetadata)
+    result["sparse_metadata_fields"] = fields(
+        importlib.import_module(sparse).SparseMLACommonMetadata
+    )
+    try:  # what the GPU tier imports: every module of the package
+        for path in sorted((REPO / SPECIALIZED.replace(".", "/")).glob("*.py")):
+            name = "" if path.stem == "__init__" else f".{path.stem}"
+            importlib.import_module(SPECIALIZED + name)
         result["specialized"] = [
             module.__file__
             for name, module in sys.modules.items()

@@ -13,7 +13,8 @@ but no vLLM: the stock code runs from its own staged source.
   and line numbers kept, so ``inspect.getsource`` and Triton see the stock
   text) and executed in the module's namespace. This serves the patched
   ``sparse_attn_indexer_kpool`` with its real helpers, metadata classes,
-  forward context, breakable CUDA graph capture and index group;
+  forward context, breakable CUDA graph capture, index group and sparse MLA
+  metadata;
 - ``LAUNCHERS``: the stock ``VllmTritonJitKernel`` singletons the lifted code
   calls (the remap and the pack/unpack kernels), each its stock ``__call__``
   (a LaunchSpec under the stock ``kernel_launcher``) bound to its lifted
@@ -69,7 +70,7 @@ STOCK: dict[str, tuple[str, ...] | None] = {
         "_LaunchBindingPlan",
         "_launch_binding_plan",
     ),
-    "vllm.config.compilation": ("CUDAGraphMode",),
+    "vllm.config.compilation": ("CompilationMode", "CUDAGraphMode"),
     "vllm.forward_context": (
         "BatchDescriptor",
         "DPMetadata",
@@ -120,10 +121,13 @@ STOCK: dict[str, tuple[str, ...] | None] = {
         "SparseMLAIndexGroup",
     ),
     # Members lifted onto the module's stand-in class (the impl flags the
-    # stage reads and sets; patch 0005 adds the second).
+    # stage reads and sets; patch 0005 adds the second), and the sparse MLA
+    # metadata (the planned-step test accepts MLACommonMetadata's kind).
     "vllm.model_executor.layers.attention.sparse_mla_attention": (
         "SparseMLACommonImpl.group_conversion_decode_only",
         "SparseMLACommonImpl.convert_decode_through_index_group",
+        "SparseMLAPrefillMetadata",
+        "SparseMLACommonMetadata",
     ),
     f"{_MLA}.indexer": (
         "DeepseekV32IndexerPrefillChunkMetadata",
@@ -142,7 +146,9 @@ STOCK: dict[str, tuple[str, ...] | None] = {
     ),
 }
 # Names a stock package re-exports from a STOCK module (as its __init__ does).
-EXPORTS = {"vllm.config.compilation": ("vllm.config", ("CUDAGraphMode",))}
+EXPORTS = {
+    "vllm.config.compilation": ("vllm.config", ("CompilationMode", "CUDAGraphMode"))
+}
 # Stock kernel singletons: "module.NAME" -> (class, its Triton kernel member).
 LAUNCHERS = {
     f"{_MLA}.sparse_utils._CONVERT_REQ_INDEX_TO_GLOBAL_INDEX_KERNEL": (

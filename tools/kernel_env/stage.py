@@ -6,7 +6,7 @@
 
 ``TREE`` is a vLLM tree with the patch set applied, the directory that
 contains ``vllm/``: an unpacked wheel or a site-packages after
-``tools/patchset.py apply``, or the overlay ``tools.patchset.build_overlay``
+``tools/patchset.py apply``, or the overlay ``tools.overlay.build_overlay``
 builds (``prepare.sh`` uses that one).
 
 The files in ``STOCK_FILES`` are copied verbatim to ``DEST/<same path>`` with

@@ -2,17 +2,23 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The stand-ins of the kernel-only ``vllm`` (``shim.py``) for what cannot
 load without vLLM: DeepGEMM, the CUDA top-k, ``vllm._custom_ops``, the
-workspace manager, distributed groups, configs, the platform, and the sparse
-MLA impl classes whose ``forward_mqa`` identity the stage checks. Each
-stand-in function raises, naming itself, when called, unless a caller (the
-test driver, ``tests/models/glm5next/indexer_refs.py``) replaced it first.
-``set_mx_scales`` forces ``mqa_logits_use_mx_scales()``.
+workspace manager, distributed groups, configs, the platform, the sparse
+MLA impl classes whose ``forward_mqa`` identity the stage checks (FlashMLA's
+and FlashInfer SM90's derive from ``SparseMLACommonImpl``'s, as in vLLM, so
+they inherit its lifted flags), and the MLA metadata bases the lifted
+``SparseMLACommonMetadata`` derives from (``mla_attention.py`` is not staged:
+``MLACommonMetadata`` here has the stock dataclass's fields, which
+``tests/tools/test_kernel_env.py`` checks). Each stand-in function raises,
+naming itself, when called, unless a caller (the test driver,
+``tools/indexer/refs.py``) replaced it first. ``set_mx_scales`` forces
+``mqa_logits_use_mx_scales()``.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import logging
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 _MLA = "vllm.v1.attention.backends.mla"
 
@@ -53,7 +59,7 @@ def _unavailable(module: str, qualname: str):
         raise RuntimeError(
             f"{module}.{qualname} is not available in the kernel-only "
             "environment; the caller must install a stand-in "
-            "(tests/models/glm5next/indexer_refs.py)"
+            "(tools/indexer/refs.py)"
         )
 
     missing.__module__, missing.__qualname__ = module, qualname
@@ -94,17 +100,51 @@ class _Platform:
         return self.is_cuda() and torch.cuda.get_device_capability()[0] == family // 10
 
 
-def _classes(module: str, *names: str, methods: tuple[str, ...] = ()) -> dict:
+def _classes(
+    module: str, *names: str, methods: tuple[str, ...] = (), bases: tuple = ()
+) -> dict:
     """Stand-in classes of ``module`` (annotations, isinstance checks, and
     ``methods`` whose identity the stage checks: they raise if called)."""
     return {
         name: type(
             name,
-            (),
+            bases,
             {"__module__": module}
             | {m: _unavailable(module, f"{name}.{m}") for m in methods},
         )
         for name in names
+    }
+
+
+def _mla_metadata(attention_metadata: type) -> dict:
+    """``mla_attention``'s metadata classes: ``MLACommonMetadata`` with the
+    stock dataclass's fields (no ``__post_init__``: its head-size check
+    needs the MLA backend), the decode and prefill metadata as bases."""
+    import torch
+
+    module = "vllm.model_executor.layers.attention.mla_attention"
+    d = TypeVar("D")
+
+    @dataclasses.dataclass
+    class MLACommonMetadata(attention_metadata, Generic[d]):  # type: ignore[misc]
+        num_reqs: int
+        max_query_len: int
+        max_seq_len: int
+        num_actual_tokens: int
+        query_start_loc: torch.Tensor
+        slot_mapping: torch.Tensor
+        num_decodes: int
+        num_decode_tokens: int
+        num_prefills: int
+        causal: bool = True
+        head_dim: int | None = None
+        prefill: Any = None
+        decode: Any = None
+
+    MLACommonMetadata.__module__ = module
+    return {
+        "MLACommonMetadata": MLACommonMetadata,
+        **_classes(module, "MLACommonDecodeMetadata", "MLACommonPrefillMetadata"),
     }
 
 
@@ -125,6 +165,13 @@ def stubs() -> dict[str, dict[str, Any]]:
         return {module: _classes(module, *names, methods=methods)}
 
     forward = ("forward_mqa",)
+    backend = _classes("vllm.v1.attention.backend", "AttentionMetadata")
+    sparse_mla = _classes(
+        "vllm.model_executor.layers.attention.sparse_mla_attention",
+        "SparseMLACommonImpl",
+        methods=forward,
+    )
+    common = (sparse_mla["SparseMLACommonImpl"],)
 
     return {
         "vllm.logger": {"init_logger": init_logger},
@@ -171,22 +218,28 @@ def stubs() -> dict[str, dict[str, Any]]:
         "vllm.v1.worker.workspace": ops(
             "vllm.v1.worker.workspace", "current_workspace_manager"
         ),
-        **classes("vllm.v1.attention.backend", "AttentionMetadata"),
+        "vllm.v1.attention.backend": backend,
+        "vllm.model_executor.layers.attention.mla_attention": _mla_metadata(
+            backend["AttentionMetadata"]
+        ),
+        **classes("vllm.v1.hisparse.runtime", "HiSparsePrefillStagingPlan"),
         **classes("vllm.v1.worker.ubatch_utils", "UBatchSlices"),
         **classes(
             "vllm.model_executor.layers.fusion.quant_activation",
             "QuantizedActivation",
         ),
         # The sparse MLA impls whose forward_mqa the stage identifies.
-        **classes(
-            "vllm.model_executor.layers.attention.sparse_mla_attention",
-            "SparseMLACommonImpl",
+        "vllm.model_executor.layers.attention.sparse_mla_attention": sparse_mla,
+        f"{_MLA}.flashmla_sparse": _classes(
+            f"{_MLA}.flashmla_sparse",
+            "FlashMLASparseImpl",
             methods=forward,
+            bases=common,
         ),
-        **classes(f"{_MLA}.flashmla_sparse", "FlashMLASparseImpl", methods=forward),
-        **classes(
+        f"{_MLA}.flashinfer_mla_sparse_sm90": _classes(
             f"{_MLA}.flashinfer_mla_sparse_sm90",
             "FlashInferMLASparseSM90Impl",
             methods=forward,
+            bases=common,
         ),
     }

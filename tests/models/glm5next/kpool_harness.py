@@ -1,17 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """One decode step of GLM-5-Next's stock kpool indexer on the CPU, then its
-sparse MLA index conversion, for comparing the stock tree with the hooks.
+sparse MLA index conversion, for comparing the stock tree with the stage.
 
 The indexer runs for real (``sparse_attn_indexer_kpool``: its stock Triton
-kernels under ``TRITON_INTERPRET=1``); only DeepGEMM's paged MQA logits and the
-CUDA top-k are replaced by torch references. The stage is installed as
-``install()`` installs it and warmed up by its real warmup body (its kernels
-compiled for ``CUTE_DSL_ARCH`` on fake tensors, once a session: ``Kernels``);
-the CuTe kernels' launches (``UPDATE.run`` and the others) are replaced by
-spies that check the kernel's own rule and compiled key, then compute the
-result with the stock twin (``Spies``). Every launch, stock fallback, hand-over
-and stream operation lands in one ``timeline``.
+kernels under ``TRITON_INTERPRET=1``, vLLM's torch top-k); only DeepGEMM's
+paged MQA logits are replaced by a torch reference. The stage is installed by
+``install()`` and warmed up by its real warmup, whose kernels compile for
+``CUTE_DSL_ARCH`` on fake tensors (the kernels' caches are the process's: a
+variant compiles once a session). ``Spies`` stand in for the launches: the
+kernels answer ``executor_for`` only for keys this test's warmups compiled, as
+in a new engine process, and a launch checks the kernel's own rule
+(``key_for``) and key, then computes with the stock twin. Every launch, stock
+fallback, hand-over and stream operation lands in one timeline.
+
+``conftest.py`` turns the pieces that patch vLLM into fixtures.
 """
 
 import importlib.util
@@ -19,40 +22,46 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
-# Compiling on the CPU needs a target; set before cutlass compiles anything.
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+import torch
 
-import torch  # noqa: E402
-
-from vllm.forward_context import ForwardContext, override_forward_context  # noqa: E402
-from vllm.model_executor.layers import sparse_attn_indexer  # noqa: E402
-from vllm.model_executor.layers.attention.sparse_mla_attention import (  # noqa: E402
+from vllm.forward_context import ForwardContext, override_forward_context
+from vllm.model_executor.layers import sparse_attn_indexer
+from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonImpl,
 )
-from vllm.model_executor.warmup.jit_warmup_cutedsl_helper import (  # noqa: E402
-    VllmCuTeDSLJitKernel,
+from vllm.models.glm5next.nvidia.ops import kpool_compress as kpool_ops
+from vllm.models.glm5next.nvidia.specialized_decode import (
+    constants,
+    fused_remap,
+    install,
+    warmup,
 )
-from vllm.models.glm5next.nvidia.ops import kpool_compress as kpool_ops  # noqa: E402
-from vllm.utils import deep_gemm  # noqa: E402
-from vllm.v1.attention.backends.mla import index_group as index_group_module  # noqa: E402
-from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup  # noqa: E402
-from vllm.v1.attention.backends.mla.indexer import (  # noqa: E402
+from vllm.models.glm5next.nvidia.specialized_decode import stage as stage_module
+from vllm.models.glm5next.nvidia.specialized_decode.expand_kernel import EXPAND
+from vllm.models.glm5next.nvidia.specialized_decode.jit import Refused
+from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import REMAP
+from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import UPCAST
+from vllm.models.glm5next.nvidia.specialized_decode.update_kernel import UPDATE
+from vllm.utils import deep_gemm
+from vllm.v1.attention.backends.mla import index_group as index_group_module
+from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
+from vllm.v1.attention.backends.mla.indexer import (
     DeepSeekV32IndexerDecodeMetadata,
     DeepseekV32IndexerMetadata,
     DeepseekV32IndexerPrefillMetadata,
 )
-from vllm.v1.attention.backends.mla.sparse_utils import (  # noqa: E402
+from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
 
-D = 128  # index head dim
+D = constants.DIM  # index head dim
+POOL = constants.POOL  # index_kpool
 HEADS = 4  # indexer query heads (the logits reference takes any)
-POOL = 4  # index_kpool
 TOPK = 128  # index_topk: 32 pools, the fewest a FusedRemap takes
-WIDTH = 256  # get_sparse_topk_buffer_width: round_up(TOPK + POOL - 1, 128)
 GLM_TOPK = 2048  # GLM-5-Next's index_topk: 512 pools
 GLM_WIDTH = 2176  # and its top-k buffer width
 BLOCK = 64  # MLA (and shared indexer) block, in tokens
@@ -62,12 +71,13 @@ LAYER = "model.layers.0.self_attn.indexer.k_cache"
 TAIL = "model.layers.0.self_attn.indexer.tail_cache"
 MTP_LAYER = "model.layers.3.self_attn.indexer.k_cache"
 MTP_TAIL = "model.layers.3.self_attn.indexer.tail_cache"
+KERNELS = {"update": UPDATE, "expand": EXPAND, "remap": REMAP, "upcast": UPCAST}
 
 # The originals, before any test patches them.
 STOCK_UPDATE = kpool_ops.kpool_decode_update_and_maybe_write_cache_batched
 STOCK_EXPAND = kpool_ops.expand_pools_and_append_tail
 STOCK_UPCAST = sparse_attn_indexer.as_fp32_logits
-_REAL_COMPILE = VllmCuTeDSLJitKernel.compile
+STOCK_CONVERT = triton_convert_req_index_to_global_index
 _MX_SCALES = deep_gemm.mqa_logits_use_mx_scales
 _MX_SCALES()  # cache the CPU's answer (False) before any test fakes a GPU
 
@@ -102,15 +112,11 @@ def load_stock_sparse_indexer():
 # --- SM100 (MX scales) or not ----------------------------------------------
 
 
-def use_mx_scales(monkeypatch, value: bool, *modules) -> None:
+def use_mx_scales(patch, value: bool, *modules) -> None:
     """``mqa_logits_use_mx_scales()`` answers ``value`` in every module that
     imported it (the stock indexer, the fork, the kpool ops, DeepGEMM's MX
-    inputs, the stage), and in ``modules`` (e.g. the stock indexer loaded by
-    path)."""
-
-    def answer() -> bool:
-        return value
-
+    inputs, the stage and its warmup), and in ``modules`` (e.g. the stock
+    indexer loaded by path)."""
     targets = [m for m in list(sys.modules.values()) if m is not None]
     patched = []
     for module in [*targets, *modules]:
@@ -119,13 +125,14 @@ def use_mx_scales(monkeypatch, value: bool, *modules) -> None:
         except TypeError:
             continue
         if current is _MX_SCALES:
-            monkeypatch.setattr(module, "mqa_logits_use_mx_scales", answer)
+            patch.setattr(module, "mqa_logits_use_mx_scales", lambda: value)
             patched.append(module.__name__)
     for name in (
         "vllm.utils.deep_gemm",
         "vllm.models.glm5next.nvidia.ops.kpool_compress",
         "vllm.models.glm5next.nvidia.sparse_indexer",
-        "vllm.models.glm5next.nvidia.specialized_decode.kpool",
+        stage_module.__name__,
+        warmup.__name__,
     ):
         assert name in patched, f"{name} reads mqa_logits_use_mx_scales"
 
@@ -141,13 +148,16 @@ def _stock_mx(value: bool):
         kpool_ops.mqa_logits_use_mx_scales = saved
 
 
-# --- DeepGEMM and CUDA top-k references ------------------------------------
+# --- DeepGEMM's logits in torch ------------------------------------------
 
 
-def paged_logits_reference(logits_dtype=torch.bfloat16, odd_stride=False, mx=False):
+def paged_logits_reference(logits_dtype=None, odd_stride=False, mx=False):
     """``fp8_fp4_paged_mqa_logits`` in torch over the FP8 cache: ``sum_h w_h
     relu(q_h . k)`` per pool below the row's length. The cache's scales are
-    FP32, or with ``mx`` four UE8M0 bytes (SM100)."""
+    FP32, or with ``mx`` four UE8M0 bytes; the logits DeepGEMM's (BF16 with
+    MX scales, SM100; FP32 elsewhere) unless ``logits_dtype`` says."""
+    if logits_dtype is None:
+        logits_dtype = torch.bfloat16 if mx else torch.float32
 
     def logits_fn(q, kv_cache, weights, seq_lens, block_table, schedule, **kw):
         q_values = q[0]
@@ -182,22 +192,6 @@ def paged_logits_reference(logits_dtype=torch.bfloat16, odd_stride=False, mx=Fal
     return logits_fn
 
 
-class TopkReference:
-    """``get_indexer_topk(backend)``: the ``k`` best columns below each row's
-    length (ties by index), -1 beyond."""
-
-    def __init__(self, backend):
-        pass
-
-    def __call__(self, logits, seq_lens, next_n, out, k, max_seq_len):
-        ends = seq_lens.reshape(-1)
-        cols = torch.arange(logits.shape[1])
-        scores = logits.masked_fill(cols[None, :] >= ends[:, None], float("-inf"))
-        values, ids = torch.sort(scores, dim=1, descending=True, stable=True)
-        ids = torch.where(values[:, :k] == float("-inf"), -1, ids[:, :k])
-        out.copy_(ids.to(out.dtype))
-
-
 class _Workspace:
     """``current_workspace_manager()`` of the prefill branch (which a short
     prefill asks for, then leaves unused)."""
@@ -207,60 +201,60 @@ class _Workspace:
         return [torch.empty(shape, dtype=dtype) for shape, dtype in shapes_and_dtypes]
 
 
-def use_references(monkeypatch, modules, logits_fn) -> None:
-    """DeepGEMM's paged logits, the CUDA top-k and the workspace manager
-    replaced in each sparse indexer module of ``modules``."""
+def use_references(patch, modules, logits_fn) -> None:
+    """DeepGEMM's paged logits and the workspace manager replaced in each
+    sparse indexer module of ``modules`` (the top-k is vLLM's own torch
+    reference: the steps ask for ``topk_backend="torch"``)."""
     for module in modules:
-        monkeypatch.setattr(module, "fp8_fp4_paged_mqa_logits", logits_fn)
-        monkeypatch.setattr(module, "get_indexer_topk", TopkReference)
-        monkeypatch.setattr(module, "current_workspace_manager", _Workspace)
+        patch.setattr(module, "fp8_fp4_paged_mqa_logits", logits_fn)
+        patch.setattr(module, "current_workspace_manager", _Workspace)
 
 
-# --- Kernels: compiled at the stage's warmup, on fakes ---------------------
-
-# (kernel class, compile key) -> executor: what this session compiled. The
-# kernels' own caches start empty in each test, as in a new engine process.
-_EXECUTORS: dict = {}
+# --- The kernels: their stock twins, and the spies that launch them -------
 
 
-def kpool_module():
-    from vllm.models.glm5next.nvidia.specialized_decode import kpool
-
-    return kpool
+def _lengths(lengths: torch.Tensor, int32: bool) -> torch.Tensor:
+    return lengths.to(torch.int32) if int32 else lengths
 
 
-def kernels() -> dict:
-    kpool = kpool_module()
-    return dict(
-        update=kpool.UPDATE, expand=kpool.EXPAND, remap=kpool.REMAP, upcast=kpool.UPCAST
+def update_twin(a) -> None:
+    with _stock_mx(a.mx_scales):
+        STOCK_UPDATE(*a[:10], round_scale=a.round_scale)
+
+
+def expand_twin(a) -> None:
+    lengths = _lengths(a.seq_lens, a.int32_lengths)
+    STOCK_EXPAND(a.pool_ids, lengths, a.pool_size, seq_offset=a.seq_offset, out=a.out)
+
+
+def remap_twin(a) -> None:
+    rows = a.pool_ids.shape[0]
+    logical = torch.full_like(a.out, -1)
+    if rows:
+        STOCK_EXPAND(
+            a.pool_ids,
+            _lengths(a.positions[:rows], a.int32_lengths),
+            a.pool_size,
+            seq_offset=a.seq_offset,
+            out=logical[:rows],
+        )
+    STOCK_CONVERT(
+        a.req_ids,
+        a.block_table,
+        logical,
+        BLOCK_SIZE=a.block_size,
+        BLOCK_STRIDE_ROWS=a.stride_rows,
+        NUM_TOPK_TOKENS=a.out.shape[1],
+        return_valid_counts=a.counts is not None,
+        out=a.out,
+        valid_counts_out=None if a.counts is None else a.counts[: a.out.shape[0]],
     )
 
 
-def fresh_kernels(monkeypatch) -> None:
-    """The kernels as in a new process (nothing compiled, no warmup yet); the
-    CuTe compiles themselves run once a session (the compiled cache is
-    process-wide)."""
-    from vllm.models.glm5next.nvidia.specialized_decode import launch
-
-    def compile_once(self, compile_key):
-        memo = (type(self).__qualname__, compile_key)
-        if memo not in _EXECUTORS:
-            _REAL_COMPILE(self, compile_key)
-            _EXECUTORS[memo] = self._compiled_cache[compile_key]
-        self._compiled_cache[compile_key] = _EXECUTORS[memo]
-
-    monkeypatch.setattr(VllmCuTeDSLJitKernel, "compile", compile_once)
-    monkeypatch.setattr(launch, "_warmed_up", False)
-    monkeypatch.setattr(launch, "_warmups_running", 0)
-    for kernel in kernels().values():
-        monkeypatch.setattr(kernel, "_compiled_cache", {})
-
-
-def compiled_keys() -> dict[str, set]:
-    return {name: set(k._compiled_cache) for name, k in kernels().items()}
-
-
-# --- Spies -----------------------------------------------------------------
+def upcast_twin(a) -> None:
+    # The columns below each row end; the kernel leaves the others.
+    below = torch.arange(a.logits.shape[1])[None, :] < a.row_ends[:, None]
+    a.out[below] = STOCK_UPCAST(a.logits, a.row_ends)[below]
 
 
 def routes_of(timeline: list[str]) -> list[str]:
@@ -275,136 +269,88 @@ def routes_of(timeline: list[str]) -> list[str]:
 
 
 class Spies:
-    """Each CuTe kernel's launch (``<KERNEL>.run``) replaced by a spy that
-    records ``kernel:<name>``, fails the test unless the kernel's own rule
-    (``*_unmet``) takes the arguments, the compile key is theirs and was
-    compiled at warmup, then writes what the kernel would with the stock twin
-    (the compile key's flags included). The stage's stock fallbacks are
-    recorded as ``stock:<name>``, the indexer's own decode expansion as
-    ``indexer:expand``."""
+    """The kernels as a new engine process on the CPU sees them.
 
-    def __init__(self, monkeypatch, timeline: list[str]):
+    - ``compile`` (the warmup's) records the key in ``compiled`` and compiles
+      for real (once a session: the kernels' caches are the process's);
+    - ``executor_for`` answers only keys in ``compiled`` (``forget`` drops a
+      kernel's, as if its warmup had not compiled them);
+    - ``launch`` records ``kernel:<name>`` and the key in ``launched``, fails
+      the test unless the kernel's own rule takes the arguments, their key was
+      compiled and the executor is that key's, then writes what the kernel
+      would with the stock twin (``twins``).
+
+    The stage's stock fallbacks are recorded as ``stock:<name>``, the index
+    group's stock conversion as ``stock:convert``, the indexer's own decode
+    expansion as ``indexer:expand``; the compute stream as ``compute``.
+    CPU tensors pass the kernels' device check (``KERNEL_DEVICE_TYPES``).
+    """
+
+    def __init__(self, patch, timeline: list[str]):
         self.timeline = timeline
-        kpool = kpool_module()
-        self.kpool = kpool
-        k = kernels()
-        for name, spy in (
-            ("update", self.update),
-            ("expand", self.expand),
-            ("remap", self.remap),
-            ("upcast", self.upcast),
-        ):
-            monkeypatch.setattr(k[name], "run", spy)
+        self.compiled: dict[str, set] = {name: set() for name in KERNELS}
+        self.launched: dict[str, set] = {name: set() for name in KERNELS}
+        self.twins = dict(
+            update=update_twin, expand=expand_twin, remap=remap_twin, upcast=upcast_twin
+        )
+        patch.setattr(constants, "KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+        for name, kernel in KERNELS.items():
+            for method in ("compile", "executor_for", "launch"):
+                spy = partial(getattr(self, f"_{method}"), name, kernel)
+                patch.setattr(kernel, method, spy)
         for name, label in (
-            ("kpool_decode_update_and_maybe_write_cache_batched", "update"),
-            ("as_fp32_logits", "upcast"),
-            ("expand_pools_and_append_tail", "expand"),
+            ("kpool_decode_update_and_maybe_write_cache_batched", "stock:update"),
+            ("as_fp32_logits", "stock:upcast"),
+            ("expand_pools_and_append_tail", "stock:expand"),
         ):
-            monkeypatch.setattr(kpool, name, self.recorded(label, getattr(kpool, name)))
-        expand = self.recorded("expand", STOCK_EXPAND, "indexer")
-        monkeypatch.setattr(kpool_ops, "expand_pools_and_append_tail", expand)
+            stock = getattr(stage_module, name)
+            patch.setattr(stage_module, name, self.recorded(label, stock))
+        expand = self.recorded("indexer:expand", STOCK_EXPAND)
+        patch.setattr(kpool_ops, "expand_pools_and_append_tail", expand)
+        convert = self.recorded("stock:convert", STOCK_CONVERT)
+        patch.setattr(
+            index_group_module, "triton_convert_req_index_to_global_index", convert
+        )
+        compute = FakeStream(timeline, "compute")
+        for module in (fused_remap, index_group_module):
+            patch.setattr(module, "current_stream", lambda: compute)
 
-    def recorded(self, label, fn, by="stock"):
+    def recorded(self, label, fn):
         def wrapper(*args, **kwargs):
-            self.timeline.append(f"{by}:{label}")
+            self.timeline.append(label)
             return fn(*args, **kwargs)
 
         return wrapper
 
-    def _launch(self, name, kernel, key, problem):
+    def forget(self, name: str) -> None:
+        self.compiled[name].clear()
+
+    def _compile(self, name, kernel, compile_key) -> None:
+        self.compiled[name].add(compile_key)
+        type(kernel).compile(kernel, compile_key)
+
+    def _executor_for(self, name, kernel, args):
+        try:
+            compile_key = kernel.key_for(args)
+        except Refused:
+            return None
+        if compile_key not in self.compiled[name]:
+            return None
+        return type(kernel).executor_for(kernel, args)
+
+    def _launch(self, name, kernel, executor, args):
         self.timeline.append(f"kernel:{name}")
-        assert problem is None, f"{name} launched on what its rule refuses: {problem}"
-        assert kernel.ready(key), f"{name} launched {key}, not compiled at warmup"
-
-    def update(self, key, *args):
-        kpool = self.kpool
-        kv, tail, tail_slots, _, _, _, slots, positions = args
-        self._launch("update", kpool.UPDATE, key, kpool.update_unmet(*args, POOL, D))
-        assert key == kpool.KpoolUpdateKernel.CompileKey(
-            tail.shape[2],
-            kv.shape[1],
-            kv.stride(0),
-            tail.stride(0),
-            tail.stride(1),
-            key.mx_scales,
-            key.round_scale,
-            tail_slots.dtype,
-            slots.dtype,
-            positions.dtype,
-        ), key
-        with _stock_mx(key.mx_scales):
-            STOCK_UPDATE(*args, POOL, D, round_scale=key.round_scale)
-
-    def expand(self, key, pool_ids, seq_lens, out, seq_offset):
-        kpool = self.kpool
-        self._launch(
-            "expand",
-            kpool.EXPAND,
-            key,
-            kpool.expand_unmet(pool_ids, seq_lens, POOL, seq_offset, out),
-        )
-        assert key == kpool.ExpandPoolsKernel.CompileKey(
-            pool_ids.shape[1], seq_lens.dtype
-        ), key
-        STOCK_EXPAND(pool_ids, seq_lens, POOL, seq_offset=seq_offset, out=out)
-
-    def remap(self, key, pool_ids, positions, req_ids, table, out, counts, offset):
-        kpool = self.kpool
-        problem = kpool.remap_unmet(
-            pool_ids,
-            positions,
-            POOL,
-            req_ids,
-            table,
-            out,
-            counts,
-            key.block_size,
-            offset,
-        )
-        self._launch("remap", kpool.REMAP, key, problem)
-        assert (key.groups, key.width, key.positions_dtype, key.counts) == (
-            pool_ids.shape[1],
-            out.shape[1],
-            positions.dtype,
-            counts is not None,
-        ), key
-        logical = torch.full_like(out, -1)
-        STOCK_EXPAND(
-            pool_ids,
-            positions,
-            POOL,
-            seq_offset=offset,
-            out=logical[: pool_ids.shape[0]],
-        )
-        triton_convert_req_index_to_global_index(
-            req_ids,
-            table,
-            logical,
-            BLOCK_SIZE=key.block_size,
-            BLOCK_STRIDE_ROWS=key.stride_rows,
-            NUM_TOPK_TOKENS=out.shape[1],
-            return_valid_counts=counts is not None,
-            out=out,
-            valid_counts_out=None if counts is None else counts[: out.shape[0]],
-        )
-
-    def upcast(self, key, logits, out, row_ends, *launch):
-        from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import (
-            upcast_config,
-        )
-
-        kpool = self.kpool
-        self._launch(
-            "upcast", kpool.UPCAST, key, kpool.upcast_unmet(logits, row_ends, out)
-        )
-        assert key == kpool.UpcastLogitsKernel.CompileKey(), key
-        assert list(launch) == [upcast_config(*logits.shape)], launch  # CTA bound
-        # The columns below each row end; the kernel leaves the others.
-        below = torch.arange(logits.shape[1])[None, :] < row_ends[:, None]
-        out[below] = STOCK_UPCAST(logits, row_ends)[below]
+        compile_key = kernel.key_for(args)  # raises what the rule refuses
+        assert compile_key in self.compiled[name], f"{name}: {compile_key} not warm"
+        assert executor is type(kernel).executor_for(kernel, args), name
+        self.launched[name].add(compile_key)
+        args = kernel.complete(args)
+        if kernel.launches(args):
+            self.twins[name](args)
+        return args
 
 
-# --- Streams and events ----------------------------------------------------
+# --- Streams, events, index groups and layers -------------------------------
 
 
 class FakeStream:
@@ -434,18 +380,10 @@ class FakeEvent:
         self.log.append(f"{self.name}.record({stream.name if stream else ''})")
 
 
-def fake_streams(monkeypatch, log: list[str]) -> None:
-    compute = FakeStream(log, "compute")
-    for module in (kpool_module(), index_group_module):
-        monkeypatch.setattr(module, "current_stream", lambda: compute)
-
-
-def make_group(
-    buffer, capacity: int, log: list[str], *, recorded: bool = False
-) -> SparseMLAIndexGroup:
-    """A DSA layer's index group, sized like SparseMLAIndexGroupBuilder's.
-    ``recorded``: its stock conversion logs ``stock:convert``."""
-    group = SparseMLAIndexGroup(
+def make_group(buffer, capacity: int, log: list[str]) -> SparseMLAIndexGroup:
+    """A DSA layer's index group, sized like SparseMLAIndexGroupBuilder's,
+    its streams and events recorded in ``log``."""
+    return SparseMLAIndexGroup(
         logical_topk_indices=buffer,
         physical_topk_indices=torch.full(
             (capacity + 1, buffer.shape[1]), -7, dtype=torch.int32
@@ -457,15 +395,6 @@ def make_group(
         has_indexer=True,
         num_layers=1,
     )
-    if recorded:
-        stock = group._convert_once
-
-        def convert_once(*args, **kwargs):
-            log.append("stock:convert")
-            return stock(*args, **kwargs)
-
-        group._convert_once = convert_once
-    return group
 
 
 class FakeImpl:
@@ -478,6 +407,13 @@ class FakeImpl:
 
     def __init__(self, **attributes):
         self.__dict__.update(attributes)
+
+
+class Layer(SimpleNamespace):
+    """A namespace a weak reference can follow (``install`` ties its stage's
+    registration to the first layer's lifetime)."""
+
+    __slots__ = ("__weakref__",)
 
 
 # --- One step --------------------------------------------------------------
@@ -515,12 +451,17 @@ class Step:
 
 @dataclass
 class Inputs:
+    """A step's inputs: ``args`` of the indexer (pristine: each run copies
+    them), except that every run writes ``buffer``, the model's top-k buffer
+    (the stages' registry knows a model by it), reset from ``args`` first."""
+
     step: Step
     args: dict
     metadata: dict
     mla: SimpleNamespace
     num_tokens: int
     num_blocks: int
+    buffer: torch.Tensor
 
 
 def _fp8_cache(gen, num_blocks: int, mx: bool) -> torch.Tensor:
@@ -538,7 +479,9 @@ def _fp8_cache(gen, num_blocks: int, mx: bool) -> torch.Tensor:
     return cache
 
 
-def make_inputs(step: Step, *, mx: bool = False) -> Inputs:
+def make_inputs(step: Step, *, mx: bool = False, buffer=None) -> Inputs:
+    """``buffer``: a model's top-k buffer to run in (its first rows), as
+    every forward of one model does; else a new one."""
     gen = torch.Generator().manual_seed(step.seed)
     batch = len(step.q_lens)
     decode = step.tokens
@@ -587,7 +530,7 @@ def make_inputs(step: Step, *, mx: bool = False) -> Inputs:
         positions=positions if step.positions else None,
         tail_kv_cache=torch.randn((reqs + 2, 2, RING, D), generator=gen).bfloat16(),
         tail_prefix=step.tail,
-        topk_backend="auto",
+        topk_backend="torch",  # vLLM's reference of the CUDA top-k
     )
 
     seq_after = torch.tensor(
@@ -653,7 +596,9 @@ def make_inputs(step: Step, *, mx: bool = False) -> Inputs:
         num_decode_tokens=decode,
         num_actual_tokens=real,
     )
-    return Inputs(step, args, metadata, mla, rows, num_blocks)
+    pristine = args["topk_indices_buffer"]
+    buffer = pristine.clone() if buffer is None else buffer[: pristine.shape[0]]
+    return Inputs(step, args, metadata, mla, rows, num_blocks, buffer)
 
 
 def mla_cache(inputs: Inputs, row: int = 8, dtype=torch.bfloat16) -> torch.Tensor:
@@ -665,17 +610,16 @@ def mla_cache(inputs: Inputs, row: int = 8, dtype=torch.bfloat16) -> torch.Tenso
 
 
 def make_attention(group, inputs: Inputs, *, impl=None, prefix=None, bound=True):
-    """What KpoolStage and its warmup read of a Glm5NextMLAAttention whose
-    indexer holds ``inputs``' caches (``bound``: its MLA KV cache too)."""
+    """What KpoolStage, its warmup and install() read of a
+    Glm5NextMLAAttention whose indexer holds ``inputs``' caches and top-k
+    buffer (``bound``: its MLA KV cache too)."""
     if impl is None:
-        impl = FakeImpl(
-            index_group=group, group_conversion_decode_only=False, dcp_world_size=1
-        )
+        impl = FakeImpl(index_group=group, dcp_world_size=1)
     args = inputs.args
     mla_attn = SimpleNamespace(impl=impl)
     if bound:
         mla_attn.kv_cache = mla_cache(inputs)
-    return SimpleNamespace(
+    return Layer(
         mla_attn=SimpleNamespace(mla_attn=mla_attn),
         indexer=SimpleNamespace(
             k_cache=SimpleNamespace(
@@ -685,7 +629,7 @@ def make_attention(group, inputs: Inputs, *, impl=None, prefix=None, bound=True)
                 prefix=inputs.step.tail, kv_cache=args["tail_kv_cache"]
             ),
             topk_tokens=args["topk_tokens"],
-            topk_indices_buffer=args["topk_indices_buffer"],
+            topk_indices_buffer=inputs.buffer,
             scale_fmt=args["scale_fmt"],
         ),
     )
@@ -700,7 +644,7 @@ def make_config(**overrides):
     from vllm.config import CompilationMode, CUDAGraphMode
 
     config = SimpleNamespace(
-        additional_config={"decode_backend": "latency_specialized"},
+        additional_config={constants.BACKEND_KEY: constants.BACKEND},
         model_config=SimpleNamespace(
             architectures=["Glm5NextForCausalLM"],
             hf_text_config=SimpleNamespace(
@@ -730,69 +674,101 @@ def make_config(**overrides):
     return config
 
 
-def fake_gpu(monkeypatch, capability: int | None) -> None:
+def fake_gpu(patch, capability: int | None) -> None:
     """The current platform as a CUDA GPU of ``capability`` (None: none)."""
     from vllm.platforms import current_platform
 
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: capability is not None)
-    monkeypatch.setattr(
+    patch.setattr(current_platform, "is_cuda", lambda: capability is not None)
+    patch.setattr(
         current_platform,
         "is_device_capability",
         lambda c: capability is not None and c == capability,
     )
-    monkeypatch.setattr(
+    patch.setattr(
         current_platform,
         "is_device_capability_family",
         lambda c: capability is not None and capability // 10 == c // 10,
     )
 
 
-def install_stage(monkeypatch, attentions, *, max_rows: int = 64, warm: bool = True):
+def install_stage(patch, attentions, *, max_rows=64, warm=True, self_check="off"):
     """``install()`` on a (faked) SM90 GPU inside a model runner's JIT warmup
-    registry, then the registry's warmup (the stage's real warmup body,
-    compiling on fakes), as a runner does before serving. Restores
-    ``SPECIALIZED_KPOOL`` and the plan after the test."""
+    registry, then the registry's warmup (the stage's real warmup, compiling
+    on fakes; the self-check launches kernels, so "off" by default), as a
+    runner does before serving."""
     from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
-    from vllm.models.glm5next.nvidia import sparse_indexer
-    from vllm.models.glm5next.nvidia import specialized_decode as sd
 
-    monkeypatch.setattr(sparse_indexer, "SPECIALIZED_KPOOL", None)
-    monkeypatch.setattr(sd, "_plan", None)
-    monkeypatch.delenv(sd.SELF_CHECK_ENV, raising=False)
+    patch.delenv(constants.SELF_CHECK_ENV, raising=False)
     config = make_config(scheduler_config__max_num_seqs=max_rows)
-    # The warmup's self-check launches the kernels: GPU only.
-    config.additional_config[sd.SELF_CHECK_KEY] = "off"
+    config.additional_config[constants.SELF_CHECK_KEY] = self_check
     config.speculative_config = None  # decode_capacity: max_rows
     registry = JitWarmupRegistry(config)
-    with monkeypatch.context() as gpu:
+    with patch.context() as gpu:
         fake_gpu(gpu, 90)
         with registry.activate():
-            stage = sd.install(config, attentions)
-    assert stage is not None and sparse_indexer.SPECIALIZED_KPOOL is stage
+            stage = install.install(config, attentions)
+    buffer = attentions[0].indexer.topk_indices_buffer
+    assert install.registry().by_buffer[buffer.data_ptr()] is stage
     assert stage.max_rows == max_rows and len(registry) == 1
     if warm:
         registry.warmup()
-        assert sd._plan.warmed
+        assert stage.warmed
     return stage
 
 
 def watch(stage, log: list[str]) -> None:
-    """Logs the stage's hand-overs: ``defer`` when ``resolve`` leaves a
-    pending top-k for the index remap, ``materialize`` when a FusedRemap
-    writes the logical rows of one it declines."""
-    resolve, materialize = stage.resolve, stage.materialize
+    """Logs the stage's hand-overs: ``defer`` when a step hands a layer's
+    FusedRemap its pool top-k, ``materialize`` when a FusedRemap writes the
+    logical rows of one it declines."""
+    for remap in stage.remaps.values():
+        remap.hand_over = partial(_logged, log, "defer", remap.hand_over)
+    stage.materialize = partial(_logged, log, "materialize", stage.materialize)
 
-    def resolve_and_log(*args, **kwargs):
-        handed = resolve(*args, **kwargs)
-        if stage.pending is not None:
-            log.append("defer")
-        return handed
 
-    def materialize_and_log(*args, **kwargs):
-        log.append("materialize")
-        return materialize(*args, **kwargs)
+def _logged(log, entry, fn, *args):
+    log.append(entry)
+    return fn(*args)
 
-    stage.resolve, stage.materialize = resolve_and_log, materialize_and_log
+
+class Engine:
+    """One engine's DSA layer holding ``inputs``' caches and top-k buffer:
+    its index group and the stage ``install`` (the fixture) builds on it, its
+    hand-overs watched. ``run`` runs a step of the patched indexer on it."""
+
+    def __init__(
+        self,
+        install,
+        timeline,
+        inputs,
+        *,
+        max_rows=64,
+        capacity=64,
+        bound=True,
+        warm=True,
+        group=None,
+        impl=None,
+    ):
+        self.timeline, self.inputs = timeline, inputs
+        self.group = group or make_group(inputs.buffer, capacity, timeline)
+        self.attention = make_attention(self.group, inputs, impl=impl, bound=bound)
+        self.stage = install([self.attention], max_rows=max_rows, warm=warm)
+        watch(self.stage, timeline)
+
+    def run(self, inputs, group=None, **kwargs):
+        """``group``: the layer's (default), another, or False for none."""
+        from vllm.models.glm5next.nvidia import sparse_indexer
+
+        self.timeline.clear()
+        got = run_step(
+            sparse_indexer,
+            inputs,
+            self.group if group is None else group or None,
+            log=self.timeline,
+            **kwargs,
+        )
+        pending = [r.pending for r in self.stage.remaps.values()]
+        assert pending == [None] * len(pending), "a deferred top-k was not converted"
+        return got
 
 
 # --- Running a step ----------------------------------------------------------
@@ -832,17 +808,20 @@ def run_step(
     cudagraph_mode=None,
     dummy_run: bool = False,
 ) -> Outcome:
-    """Runs ``module.sparse_attn_indexer_kpool`` on copies of ``inputs``,
-    then the step's conversion of its top-k rows: ``group``'s, as the sparse
-    MLA layer asks for it (with ``idx_mapping``: its ``_convert_once``
-    directly, as a HiSparse leader does), or ``consume(buffer)`` (a backend's
-    ``forward_mqa``), which returns (physical, counts or None)."""
+    """Runs ``module.sparse_attn_indexer_kpool`` on copies of ``inputs``
+    (into ``inputs.buffer``), then the step's conversion of its top-k rows:
+    ``group``'s, as the sparse MLA layer asks for it (with ``idx_mapping``:
+    its ``_convert_once`` directly, as a HiSparse leader does), or
+    ``consume(buffer)`` (a backend's ``forward_mqa``), which returns
+    (physical, counts or None)."""
     from vllm.config import CUDAGraphMode
 
     args = {
         name: _copy(value) if isinstance(value, torch.Tensor) else value
         for name, value in inputs.args.items()
     }
+    buffer = args["topk_indices_buffer"] = inputs.buffer
+    buffer.copy_(inputs.args["topk_indices_buffer"])
     context = ForwardContext(
         no_compile_layers={},
         attn_metadata=inputs.metadata,
@@ -852,8 +831,7 @@ def run_step(
     )
     counts = None
     with override_forward_context(context):
-        buffer = module.sparse_attn_indexer_kpool(**args)
-        assert buffer is args["topk_indices_buffer"]
+        assert module.sparse_attn_indexer_kpool(**args) is buffer
         logical = buffer[: inputs.num_tokens]
         if consume is not None:
             physical, counts = consume(buffer)
@@ -889,6 +867,12 @@ def run_step(
         tail=args["tail_kv_cache"],
         log=list(log) if log is not None else [],
     )
+
+
+def stock_run(stock_module, inputs: Inputs, capacity: int = 64, **kwargs) -> Outcome:
+    """The step in the unpatched tree, converted by a stock index group."""
+    group = make_group(inputs.buffer, capacity, [])
+    return run_step(stock_module, inputs, group, **kwargs)
 
 
 def assert_same(got: Outcome, want: Outcome, *, logical: bool = True) -> None:

@@ -1,20 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The patched ``sparse_attn_indexer_kpool`` driven step after step as
-serving runs it (``indexer_steps``): the stage against stock, byte for byte,
-after every step, for each backend path.
+serving runs it (``tools.indexer.steps``): the stage against stock, byte for
+byte, after every step, for each backend path; and two engines' stages in one
+process, each with its own top-k buffer, pool buffer and hand-offs.
 
 - CPU (CI): a few steps under ``TRITON_INTERPRET=1``: the SM100 path in
   FULL mode and the FlashInfer SM90 path in piecewise mode (no graphs on the
   CPU: each step eager in its mode's forward context, with the mode's
   padding) in the test overlay, and the FlashMLA FP8 path eagerly in a
   subprocess through the kernel-only shim (``tools/kernel_env``, by the CLI
-  ``tools/indexer_steps.py``) over sources staged from the overlay. The stage
-  is on with no kernel compiled, so it routes every input to its stock twin.
+  ``tools/indexer_steps.py``) over sources staged from the overlay; and two
+  stages in one process on the SM100 path. The stage is on (warmed by its
+  real warmup, which compiles nothing for CPU tensors), so it defers and
+  routes every kernel input to its stock twin.
 - GPU (``tools/kernel_env/gpu_tier.sh -k indexer_steps``): 500 decode steps
   (``KPOOL_INDEXER_STEPS``) of each backend path in each mode, fresh seed
-  (``KPOOL_SEED`` replays); and the tail cache's stock metadata split, under
-  which ``planned()`` sees speculative steps as prefills.
+  (``KPOOL_SEED`` replays), each compiled kernel launched; the tail cache's
+  stock metadata split, under which ``planned()`` sees speculative steps as
+  prefills; and two stages in one process on each backend path.
 """
 
 import importlib
@@ -25,12 +29,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-pytest.importorskip("vllm")
-pytest.importorskip("cutlass")
-
-from indexer_batches import (  # noqa: E402
+from tools.indexer.batches import (
     BACKENDS,
     Batch,
     Builder,
@@ -38,12 +38,13 @@ from indexer_batches import (  # noqa: E402
     Scheduled,
     Workload,
 )
-from indexer_steps import (  # noqa: E402
+from tools.indexer.steps import (
     CPU_GEOMETRY,
     CPU_WORK,
     MODES,
     REPORTS,
     Config,
+    Run,
     fuzz_seed,
     run,
 )
@@ -54,10 +55,10 @@ CPU_SEED = 5
 HOLD = 200_000  # GPU cycles (~0.1 ms) each stream is held before a conversion
 
 
-def cpu_config(backend: str, mode: str = "eager") -> Config:
+def cpu_config(backend: str, mode: str = "eager", stages: int = 1) -> Config:
     return Config(
         backend=backend, mode=mode, geo=CPU_GEOMETRY, work=CPU_WORK, seed=CPU_SEED,
-        compile_kernels=False, capture=False, full_sizes=(2, 4),
+        stages=stages, capture=False, full_sizes=(2, 4),
         piecewise_sizes=(16, 64, 256),
     )  # fmt: skip
 
@@ -116,10 +117,32 @@ def test_full_graph_key_names_its_host_values():
         assert step.metadata["k"].max_seq_len == geo.max_model_len
 
 
+def _two_stages(run_: Run) -> None:
+    """Two engines' stages: their own pool buffers and fused remaps, in one
+    registry that dispatches each model's layers by its top-k buffer."""
+    a, b = (side.stage for side in run_.sides[1:])
+    assert a is not b
+    assert a.pool_buffer.data_ptr() != b.pool_buffer.data_ptr()
+    for side in run_.sides[1:]:
+        buffer = side.attentions[0].indexer.topk_indices_buffer
+        assert run_.registry.by_buffer[buffer.data_ptr()] is side.stage
+        for remap in side.stage.remaps.values():
+            assert remap.stage is side.stage and remap.pending is None
+
+
+def test_indexer_steps_cpu_two_stages():
+    """Two stages in one process, per layer interleaved: between one stage's
+    defer and its conversion the other's whole layer step runs and its pool
+    buffer is poisoned; both match stock."""
+    run_ = Run(cpu_config("sm100", stages=2), "cpu")
+    report = run_.run()
+    _check(report, CPU_WORK.decode_steps)
+    _two_stages(run_)
+
+
 def test_indexer_steps_cpu_kernel_only(tmp_path):
     """The same through the kernel-only shim, by the CLI
     (``tools/indexer_steps.py``): the lifted indexer and its helpers run."""
-    sys.path.insert(0, str(REPO))
     from tools.kernel_env import stage
 
     modules = {rel: rel[:-3].replace("/", ".") for rel in stage.STOCK_FILES}
@@ -145,29 +168,58 @@ def test_indexer_steps_cpu_kernel_only(tmp_path):
         assert not any(report["why_not_fused"]), report["why_not_fused"]
 
 
+def _launched(report, backend: str) -> None:
+    """Every kernel a planned step of ``backend`` takes was launched: the
+    warmup compiled the keys the steps derive (upcast: MX scales only; the
+    FP32 logits of the others are returned as they are)."""
+    kernels = ["KpoolUpdateKernel", "ExpandRemapKernel"]
+    kernels += ["UpcastLogitsKernel"] if BACKENDS[backend].mx else []
+    assert all(report.launches[k] > 0 for k in kernels), report.line()
+    assert report.fused > 0, "no top-k went through the fused remap"
+
+
+def _gpu_steps(divisor: int = 1) -> int:
+    return int(os.environ.get("KPOOL_INDEXER_STEPS") or 500) // divisor
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_indexer_steps_match_stock(backend, mode):
-    steps = int(os.environ.get("KPOOL_INDEXER_STEPS") or 500)
+    """Each backend path in each mode, streams held back at each conversion."""
+    steps = _gpu_steps()
     work = Workload(decode_steps=steps, tail_split="indexer")
     cfg = Config(backend, mode, work=work, seed=fuzz_seed(), hold_cycles=HOLD)
     report = run(cfg, "cuda")
     _check(report, steps)
     if mode != "eager":
         assert report.steps[f"{mode}_replay"] > 0, report.line()
-    if backend == "sm100":
-        assert report.fused > 0, "no top-k went through the fused remap"
+    _launched(report, backend)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_indexer_steps_stock_tail_split(backend):
     """``KpoolTailMetadataBuilder``'s own split (threshold 1): the stage runs
     only where no request has speculative tokens."""
-    steps = int(os.environ.get("KPOOL_INDEXER_STEPS") or 500) // 5
+    steps = _gpu_steps(5)
     work = Workload(decode_steps=steps, tail_split="stock")
     report = run(Config(backend, "eager", work=work, seed=fuzz_seed()), "cuda")
     _check(report, steps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_indexer_steps_two_stages(backend):
+    """Two engines' stages in one process (``Config(stages=2)``): steps of
+    the two interleave per layer, the other stage's pool buffer poisoned
+    between a stage's defer and its conversion, streams held back; both
+    stages match stock byte for byte and each launched its kernels."""
+    steps = _gpu_steps(5)
+    work = Workload(decode_steps=steps, tail_split="indexer")
+    cfg = Config(backend, work=work, seed=fuzz_seed(), hold_cycles=HOLD, stages=2)
+    run_ = Run(cfg, "cuda")
+    report = run_.run()
+    _check(report, steps)
+    _launched(report, backend)
+    _two_stages(run_)

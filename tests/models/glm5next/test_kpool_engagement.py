@@ -4,10 +4,11 @@
 for GLM-5-Next on SM90 and SM100 (its real ``CudaPlatform.get_valid_backends``
 for GLM-5-Next's dimensions: head size 512, 8 or 64 local heads), and every
 KV cache dtype it accepts, which pieces of the kpool stage run in a planned
-decode step. README.md shows the same table (``ENGAGEMENT``).
+decode step. README.md shows the same table (``ENGAGEMENT``), and
+``test_kpool_backends.py`` installs the stage on each path's impl class.
 
 The backend's impl class decides, through the stage's own rule
-(``kpool._converts_through_group``), whether the fused remap is reached; the
+(``fused_remap.converts_through_group``), whether the fused remap is reached; the
 counts follow the backend's decode path; the upcast does work only where the
 logits are BF16 (SM100). ``cpu_shims`` stands in only for what a GPU host
 with the wheel's packages answers, so every rejection is a model, dtype or
@@ -22,10 +23,8 @@ import types
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 CAPABILITIES = ((9, 0), (10, 0))
 TENSOR_PARALLEL = (8, 2)  # 8 and 32 local heads: FlashMLA's mixed-batch cut
@@ -91,7 +90,9 @@ def vllm_config(hf, tp: int) -> SimpleNamespace:
 def pieces(backend, kv_dtype: str, local_heads: int, sm: int) -> str:
     """What a planned decode step runs with ``backend``: the stage's rule on
     the backend's impl class, the counts its decode path asks for."""
-    from vllm.models.glm5next.nvidia.specialized_decode import kpool
+    from vllm.models.glm5next.nvidia.specialized_decode.fused_remap import (
+        converts_through_group,
+    )
     from vllm.v1.attention.backends.mla.flashmla_sparse import (
         MIN_HEADS_FOR_BF16_PREFILL,
         QUANTIZED_DS_MLA_CACHE_FORMATS,
@@ -102,7 +103,7 @@ def pieces(backend, kv_dtype: str, local_heads: int, sm: int) -> str:
     impl = object.__new__(impl_cls)
     update = "update (MX)" if sm == 10 else "update (FP32)"
     upcast = "upcast" if sm == 10 else "no upcast (FP32 logits)"
-    if not kpool._converts_through_group(impl):
+    if not converts_through_group(impl):
         return f"{update}, {upcast}, expand; stock conversion"
     counts = "with counts"
     if (

@@ -1,27 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The hooks of the specialized kpool decode on the real stock decode path of
-``sparse_attn_indexer_kpool`` and the sparse MLA index conversion (CPU, stock
-Triton kernels interpreted; see ``kpool_harness``).
+"""The stage (``stage.py``, ``fused_remap.py``) on the real stock decode path
+of ``sparse_attn_indexer_kpool`` and the sparse MLA index conversion (CPU,
+stock Triton kernels interpreted; see ``kpool_harness``).
 
 Stage off: the patched indexer equals the unpatched one. Stage on (installed
-as ``install()`` does and warmed up by its real warmup body): the same caches,
-physical top-k and counts as stock (and the same logical top-k rows wherever a
-consumer reads them), with the route each input took asserted. Every kernel
-launch is checked against the kernel's own rule and the keys warmup compiled.
+by ``install()`` and warmed up by its real warmup): the same caches, physical
+top-k and counts as stock (and the same logical top-k rows wherever a consumer
+reads them), with the route each input took asserted. Every kernel launch is
+checked against the kernel's own rule and the keys its warmup compiled.
 """
 
-import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-pytest.importorskip("vllm")
-pytest.importorskip("cutlass")
-
-from kpool_harness import (  # noqa: E402
+import pytest
+import torch
+from kpool_harness import (
     BLOCK,
     GLM_TOPK,
     GLM_WIDTH,
@@ -29,33 +26,32 @@ from kpool_harness import (  # noqa: E402
     MTP_LAYER,
     MTP_TAIL,
     POOL,
-    Spies,
     Step,
     assert_same,
-    compiled_keys,
-    fake_streams,
-    fresh_kernels,
-    install_stage,
-    kernels,
-    load_stock_sparse_indexer,
-    make_attention,
     make_group,
     make_inputs,
     paged_logits_reference,
     run_step,
-    use_mx_scales,
-    use_references,
-    watch,
+    stock_run,
 )
 
-from vllm.config import CUDAGraphMode  # noqa: E402
-from vllm.models.glm5next.nvidia import sparse_indexer  # noqa: E402
-from vllm.models.glm5next.nvidia import specialized_decode as sd  # noqa: E402
-from vllm.models.glm5next.nvidia.specialized_decode import (  # noqa: E402
-    kpool,
-    launch,
+from vllm.config import CUDAGraphMode
+from vllm.models.glm5next.nvidia import sparse_indexer
+from vllm.models.glm5next.nvidia.specialized_decode import steps
+from vllm.models.glm5next.nvidia.specialized_decode.expand_kernel import (
+    ExpandPoolsKernel,
+)
+from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import (
+    ExpandRemapKernel,
+)
+from vllm.models.glm5next.nvidia.specialized_decode.stage import LayerStep
+from vllm.models.glm5next.nvidia.specialized_decode.update_kernel import (
+    KpoolUpdateKernel,
 )
 
+PACKAGE = Path(__file__).resolve().parents[3] / (
+    "vllm/models/glm5next/nvidia/specialized_decode"
+)
 # GLM-5-Next's real top-k: 512 pools, 2176-column rows, contexts above 2048.
 GLM = dict(topk=GLM_TOPK)
 FP32 = dict(scale_fmt=None)  # scales not rounded to powers of two
@@ -83,7 +79,9 @@ STEPS = TOKEN_ROWS + [
     pytest.param(Step([1, 1], [1500, 2000], seed=34, **GLM), id="glm-short"),
 ]
 
-UPDATE, UPCAST = "kernel:update", "kernel:upcast"
+UPDATE = "kernel:update"
+# SM90's logits are FP32: the upcast kernel refuses them, stock returns them.
+UPCAST = "stock:upcast"
 DEFERRED = [UPDATE, UPCAST, "defer", "kernel:remap"]
 EXPANDED = [UPDATE, UPCAST, "kernel:expand", "stock:convert"]
 # A deferred top-k the fused remap declines: its logical rows, then stock.
@@ -98,92 +96,25 @@ FUSED_STREAMS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def stock_module():
-    return load_stock_sparse_indexer()
-
-
-@pytest.fixture
-def references(monkeypatch, stock_module):
-    """DeepGEMM's logits and the CUDA top-k in both trees, and the kernels as
-    in a new process."""
-
-    def use(logits_fn):
-        use_references(monkeypatch, (stock_module, sparse_indexer), logits_fn)
-
-    use(paged_logits_reference())
-    fresh_kernels(monkeypatch)
-    fake_streams(monkeypatch, [])
-    return use
-
-
-@pytest.fixture
-def sm100(monkeypatch, references, stock_module):
-    """The SM100 path: MX scales in every module (stock and fork), the cache
-    and logits in that format."""
-    use_mx_scales(monkeypatch, True, stock_module)
-    references(paged_logits_reference(mx=True))
-
-
-class Stage:
-    """A KpoolStage over one DSA layer holding ``inputs``' caches, installed
-    and warmed up, reached through SPECIALIZED_KPOOL in planned steps."""
-
-    def __init__(
-        self, monkeypatch, inputs, *, max_rows=64, capacity=64, bound=True, warm=True
-    ):
-        self.log: list[str] = []
-        self.spies = Spies(monkeypatch, self.log)
-        fake_streams(monkeypatch, self.log)
-        buffer = inputs.args["topk_indices_buffer"]
-        self.group = make_group(buffer, capacity, self.log, recorded=True)
-        attention = make_attention(self.group, inputs, bound=bound)
-        self.stage = install_stage(
-            monkeypatch, [attention], max_rows=max_rows, warm=warm
-        )
-        assert self.stage.fuse and self.stage.layers == {inputs.step.layer}
-        watch(self.stage, self.log)
-
-    def run(self, inputs, group=None, **kwargs):
-        """``group``: the layer's (default), another, or False for none."""
-        self.log.clear()
-        got = run_step(
-            sparse_indexer,
-            inputs,
-            self.group if group is None else group or None,
-            log=self.log,
-            **kwargs,
-        )
-        assert self.stage.pending is None, "a deferred top-k was not consumed"
-        return got
-
-
-def stock_run(stock_module, inputs, capacity=64, **kwargs):
-    group = make_group(inputs.args["topk_indices_buffer"], capacity, [])
-    return run_step(stock_module, inputs, group, **kwargs)
-
-
 @pytest.mark.parametrize("step", STEPS)
-def test_stage_off_is_stock(monkeypatch, references, stock_module, step):
+def test_stage_off_is_stock(monkeypatch, spies, references, stock_module, step):
     """SPECIALIZED_KPOOL None: the patched tree writes what stock writes."""
     monkeypatch.setattr(sparse_indexer, "SPECIALIZED_KPOOL", None)
     inputs = make_inputs(step)
-    group = make_group(inputs.args["topk_indices_buffer"], 64, [])
-    assert_same(
-        run_step(sparse_indexer, inputs, group), stock_run(stock_module, inputs)
-    )
+    group = make_group(inputs.buffer, 64, [])
+    got = run_step(sparse_indexer, inputs, group, log=spies.timeline)
+    assert not [e for e in got.routes if e.startswith("kernel:")]
+    assert_same(got, stock_run(stock_module, inputs))
 
 
 @pytest.mark.parametrize("step", TOKEN_ROWS)
-def test_defer_and_fused_remap(monkeypatch, references, stock_module, step):
+def test_defer_and_fused_remap(engine, stock_module, step):
     """Token-ordered decode rows: the pool top-k goes straight to FusedRemap
     on the group's side stream; the logical rows stay unfilled (no consumer
     reads them)."""
     inputs = make_inputs(step)
-    stage = Stage(monkeypatch, inputs)
-    got = stage.run(inputs)
+    got = engine(inputs).run(inputs)
     want = stock_run(stock_module, inputs)
-    assert got.routes == DEFERRED
     assert got.log == [UPDATE, UPCAST, "defer", *FUSED_STREAMS]
     assert_same(got, want, logical=False)
     assert (got.topk[: inputs.num_tokens] == -5).all(), "logical rows not filled"
@@ -200,14 +131,13 @@ def test_defer_and_fused_remap(monkeypatch, references, stock_module, step):
         pytest.param(Step([2, 2], [157, 210], scale_fmt=None, seed=43), id="unrounded"),
     ],
 )
-def test_sm100_mx_scales(monkeypatch, sm100, stock_module, step):
+def test_sm100_mx_scales(sm100, engine, spies, stock_module, step):
     """SM100: the update writes MX (UE8M0) scales, compiled as such at warmup,
-    and BF16 logits are upcast by the kernel."""
+    and the BF16 logits are upcast by the kernel."""
     inputs = make_inputs(step, mx=True)
-    stage = Stage(monkeypatch, inputs)
-    assert {key.mx_scales for key in compiled_keys()["update"]} == {True}
-    got = stage.run(inputs)
-    assert got.routes == DEFERRED
+    got = engine(inputs).run(inputs)
+    assert {key.mx_scales for key in spies.compiled["update"]} == {True}
+    assert got.routes == [UPDATE, "kernel:upcast", "defer", "kernel:remap"]
     assert_same(got, stock_run(stock_module, inputs), logical=False)
 
 
@@ -223,13 +153,12 @@ def test_sm100_mx_scales(monkeypatch, sm100, stock_module, step):
         ),
     ],
 )
-def test_fp32_scales_not_rounded(monkeypatch, references, stock_module, step):
+def test_fp32_scales_not_rounded(engine, spies, stock_module, step):
     """``scale_fmt=None``: FP32 scales that are not powers of two, the
     update's compile key and stock alike."""
     inputs = make_inputs(step)
-    stage = Stage(monkeypatch, inputs)
-    assert {key.round_scale for key in compiled_keys()["update"]} == {False}
-    got = stage.run(inputs)
+    got = engine(inputs).run(inputs)
+    assert {key.round_scale for key in spies.compiled["update"]} == {False}
     deferred = step.layout != "padded"
     assert got.routes == (
         DEFERRED if deferred else [UPDATE, UPCAST, "indexer:expand", "stock:convert"]
@@ -237,12 +166,11 @@ def test_fp32_scales_not_rounded(monkeypatch, references, stock_module, step):
     assert_same(got, stock_run(stock_module, inputs), logical=not deferred)
 
 
-def test_fused_remap_under_piecewise_graphs(monkeypatch, references, stock_module):
+def test_fused_remap_under_piecewise_graphs(engine, stock_module):
     """Inside piecewise CUDA graphs the side stream waits on the compute
     stream (an event recorded in a captured segment is graph-local)."""
     inputs = make_inputs(Step([2, 2], [157, 210], seed=11))
-    stage = Stage(monkeypatch, inputs)
-    got = stage.run(inputs, cudagraph_mode=CUDAGraphMode.PIECEWISE)
+    got = engine(inputs).run(inputs, cudagraph_mode=CUDAGraphMode.PIECEWISE)
     assert got.log == [
         UPDATE,
         UPCAST,
@@ -254,15 +182,12 @@ def test_fused_remap_under_piecewise_graphs(monkeypatch, references, stock_modul
 
 
 @pytest.mark.parametrize("step_stride, stride", [(96, 96), (BLOCK, None)])
-def test_fused_remap_block_stride(
-    monkeypatch, references, stock_module, step_stride, stride
-):
+def test_fused_remap_block_stride(engine, stock_module, step_stride, stride):
     """Blocks ``stride`` rows apart (other layers' pages between them), as
     warmup read it from the bound MLA cache; None: the block size."""
     step = Step([1, 1, 1], [150, 203, 190], seed=12, stride_rows=step_stride)
     inputs = make_inputs(step)
-    stage = Stage(monkeypatch, inputs)
-    got = stage.run(inputs, block_stride_rows=stride)
+    got = engine(inputs).run(inputs, block_stride_rows=stride)
     assert got.routes == DEFERRED
     want = stock_run(stock_module, inputs, block_stride_rows=stride)
     assert_same(got, want, logical=False)
@@ -275,12 +200,11 @@ def test_fused_remap_block_stride(
         pytest.param(Step([2, 2], [2157, 2310], seed=35, **GLM), id="glm"),
     ],
 )
-def test_fused_remap_without_counts(monkeypatch, references, stock_module, step):
+def test_fused_remap_without_counts(engine, stock_module, step):
     """FlashMLA's mixed-batch FP8 decode converts without counts: fused too,
     in place, with stock's bytes."""
     inputs = make_inputs(step)
-    stage = Stage(monkeypatch, inputs)
-    got = stage.run(inputs, return_valid_counts=False)
+    got = engine(inputs).run(inputs, return_valid_counts=False)
     assert got.log == [UPDATE, UPCAST, "defer", *FUSED_STREAMS]
     want = stock_run(stock_module, inputs, return_valid_counts=False)
     assert_same(got, want, logical=False)
@@ -288,56 +212,57 @@ def test_fused_remap_without_counts(monkeypatch, references, stock_module, step)
 
 def _materialized_then_stock(log):
     """The logical rows are written, then recorded ready, before the stock
-    conversion's side stream waits on that record."""
-    assert log[:5] == MATERIALIZED
-    assert log[5:8] == [
+    conversion's side stream waits on that record and converts."""
+    assert log[:9] == [
+        *MATERIALIZED,
         "logical_ready.record(compute)",
-        "stock:convert",
         "side.wait_event(logical_ready)",
+        "enter side",
+        "stock:convert",
     ]
 
 
-def test_declined_by_block_stride(monkeypatch, references, stock_module):
+def test_declined_by_block_stride(engine, stock_module):
     """A block stride warmup did not compile (the cache was bound with
     another): FusedRemap declines, materializes, and the stock conversion
     runs after the logical rows are recorded ready."""
     inputs = make_inputs(Step([1, 1, 1], [150, 203, 190], seed=14))
-    stage = Stage(monkeypatch, inputs)
-    got = stage.run(inputs, block_stride_rows=96)
+    got = engine(inputs).run(inputs, block_stride_rows=96)
     _materialized_then_stock(got.log)
     assert_same(got, stock_run(stock_module, inputs, block_stride_rows=96))
 
 
 @pytest.mark.parametrize("counts", [True, False])
-def test_idx_mapping_declines(monkeypatch, references, stock_module, counts):
+def test_idx_mapping_declines(engine, stock_module, counts):
     """A conversion through ``idx_mapping`` (HiSparse's leader rows) is not
     the fused kernel's: declined, materialized, stock with the mapping."""
-    step = Step([1, 1, 1], [150, 203, 190], seed=15)
-    inputs = make_inputs(step)
-    stage = Stage(monkeypatch, inputs)
+    inputs = make_inputs(Step([1, 1, 1], [150, 203, 190], seed=15))
     mapping = torch.tensor([2, 0, 1], dtype=torch.int32)
     kwargs = dict(idx_mapping=mapping, return_valid_counts=counts)
-    got = stage.run(inputs, **kwargs)
+    got = engine(inputs).run(inputs, **kwargs)
     _materialized_then_stock(got.log)
     assert_same(got, stock_run(stock_module, inputs, **kwargs))
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    "kwargs, routes",
     [
-        pytest.param(dict(layer_index=1), id="layer1"),
-        pytest.param(dict(capacity=2), id="above-group-capacity"),
+        # A later layer of a group reads the leader's physical rows.
+        pytest.param(dict(layer_index=1), MATERIALIZED, id="layer1"),
+        # Rows past the group's buffers: stock converts on the compute stream.
+        pytest.param(
+            dict(capacity=2), [*MATERIALIZED, "stock:convert"], id="above-capacity"
+        ),
     ],
 )
-def test_deferred_then_materialized(monkeypatch, references, stock_module, kwargs):
+def test_deferred_then_materialized(engine, stock_module, kwargs, routes):
     """A deferred top-k the fused remap cannot take is materialized into the
-    logical rows, then converted by stock (on the compute stream)."""
+    logical rows, then converted by stock."""
     capacity = kwargs.pop("capacity", 64)
     inputs = make_inputs(Step([1, 1, 1], [150, 203, 190], pad_rows=1, seed=13))
-    stage = Stage(monkeypatch, inputs, capacity=capacity)
-    got = stage.run(inputs, **kwargs)
+    got = engine(inputs, capacity=capacity).run(inputs, **kwargs)
     want = stock_run(stock_module, inputs, capacity=capacity, **kwargs)
-    assert got.routes == [*MATERIALIZED, "stock:convert"]
+    assert got.routes == routes
     assert_same(got, want)
 
 
@@ -391,21 +316,19 @@ def test_deferred_then_materialized(monkeypatch, references, stock_module, kwarg
         ),
     ],
 )
-def test_routes(monkeypatch, references, stock_module, step, kwargs, routes):
+def test_routes(engine, stock_module, step, kwargs, routes):
     inputs = make_inputs(step)
-    stage = Stage(monkeypatch, inputs, **kwargs)
-    got = stage.run(inputs)
+    got = engine(inputs, **kwargs).run(inputs)
     assert got.routes == routes
     deferred = "defer" in routes
     assert_same(got, stock_run(stock_module, inputs), logical=not deferred)
 
 
-def test_unaligned_rows_expand_stock(monkeypatch, references, stock_module):
+def test_unaligned_rows_expand_stock(engine, stock_module):
     """Top-k rows whose stride is not 16-byte aligned: no defer (the remap
     stores 16 bytes), stock expansion into the buffer."""
     inputs = make_inputs(Step([1, 1], [150, 180], seed=21, width=133))
-    stage = Stage(monkeypatch, inputs)
-    got = stage.run(inputs, group=False)
+    got = engine(inputs).run(inputs, group=False)
     assert got.routes == [UPDATE, UPCAST, "stock:expand"]
     assert_same(got, run_step(stock_module, inputs, None))
 
@@ -417,13 +340,12 @@ def test_unaligned_rows_expand_stock(monkeypatch, references, stock_module):
         pytest.param(dict(odd_stride=True), id="odd-stride"),
     ],
 )
-def test_upcast_guards(monkeypatch, references, stock_module, logits):
-    """SM90's FP32 logits (stock returns them) and a row stride the kernel's
-    16-byte accesses cannot take go to stock."""
-    references(paged_logits_reference(**logits))
-    inputs = make_inputs(Step([1, 1], [150, 180], seed=17))
-    stage = Stage(monkeypatch, inputs)
-    got = stage.run(inputs)
+def test_upcast_guards(sm100, references, engine, stock_module, logits):
+    """On SM100, FP32 logits (stock returns them) and a row stride the
+    kernel's 16-byte accesses cannot take go to stock."""
+    references(paged_logits_reference(mx=True, **logits))
+    inputs = make_inputs(Step([1, 1], [150, 180], seed=17), mx=True)
+    got = engine(inputs).run(inputs)
     assert got.routes == [UPDATE, "stock:upcast", "defer", "kernel:remap"]
     assert_same(got, stock_run(stock_module, inputs), logical=False)
 
@@ -435,23 +357,23 @@ def _expected_keys(inputs, *, mx=False, round_scale=True, stride=BLOCK):
     args = inputs.args
     kv, tail = args["kv_cache"], args["tail_kv_cache"]
     groups = args["topk_tokens"] // POOL
-    width = args["topk_indices_buffer"].shape[1]
+    width = inputs.buffer.shape[1]
     layout = (tail.shape[2], kv.shape[1], kv.stride(0), tail.stride(0), tail.stride(1))
     return dict(
         update={
-            kpool.KpoolUpdateKernel.CompileKey(
-                *layout, mx, round_scale, slots, slots, torch.int32
+            KpoolUpdateKernel.CompileKey(
+                *layout, mx, round_scale, torch.int64, torch.int64, torch.int32
             )
-            for slots in (torch.int64, torch.int32)
         },
-        expand={kpool.ExpandPoolsKernel.CompileKey(groups, torch.int64)},
+        expand={ExpandPoolsKernel.CompileKey(groups, torch.int64, True)},
         remap={
-            kpool.ExpandRemapKernel.CompileKey(
-                groups, width, BLOCK, stride, torch.int64, counts
+            ExpandRemapKernel.CompileKey(
+                groups, width, BLOCK, stride, torch.int64, True, counts
             )
             for counts in (True, False)
         },
-        upcast={kpool.UPCAST_LAUNCH[0]},
+        # SM90's logits are FP32: no upcast variant.
+        upcast=set(),
     )
 
 
@@ -463,35 +385,40 @@ def _expected_keys(inputs, *, mx=False, round_scale=True, stride=BLOCK):
         pytest.param(Step([1], [150], scale_fmt=None), id="unrounded"),
     ],
 )
-def test_warmup_compiles_what_steps_launch(monkeypatch, references, step):
-    """The stage's warmup compiles, on fakes, every key a planned step of its
-    layers launches: the update for the indexer's int32 positions and both
-    slot dtypes, the expansion and the fused remap (with and without counts)
-    for the runner's int64 positions, both upcast sizes; nothing else."""
+def test_warmup_compiles_what_steps_launch(engine, spies, step):
+    """The stage's warmup compiles, on fakes, the variants a planned step of
+    its layers launches: the update for the metadata's int64 slots and the
+    indexer's int32 positions, the expansion and the fused remap (with and without
+    counts) for the runner's int64 positions truncated to int32 as stock's
+    decode does; nothing else."""
     inputs = make_inputs(step)
-    stage = Stage(monkeypatch, inputs)
+    engine(inputs)
     want = _expected_keys(
         inputs, round_scale=step.scale_fmt is not None, stride=step.stride_rows
     )
-    assert compiled_keys() == want
-    assert len(stage.stage.compile_keys([], torch.int64)) == len(want["upcast"])
-    assert sd._plan.warmed and not launch._compiles_allowed()
+    assert spies.compiled == want
 
 
-def test_warmup_of_mx_scales(monkeypatch, sm100):
+def test_warmup_of_mx_scales(sm100, engine, spies):
+    """SM100: MX scales in the update's keys, and the BF16 logits' upcast."""
+    from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import (
+        UpcastLogitsKernel,
+    )
+
     inputs = make_inputs(Step([1], [150]), mx=True)
-    Stage(monkeypatch, inputs)
-    assert compiled_keys() == _expected_keys(inputs, mx=True)
+    engine(inputs)
+    want = _expected_keys(inputs, mx=True)
+    assert spies.compiled == dict(want, upcast={UpcastLogitsKernel.CompileKey()})
 
 
-def test_warmup_without_bound_cache_skips_the_remap(monkeypatch, references):
+def test_warmup_without_bound_cache_skips_the_remap(engine, spies):
     """A layer whose MLA cache is not bound as [blocks, block, row] has no
     block layout for the remap: warmup compiles no remap, and a deferred
     top-k is then materialized for stock."""
     inputs = make_inputs(Step([1, 1], [150, 180], seed=22))
-    stage = Stage(monkeypatch, inputs, bound=False)
-    assert not compiled_keys()["remap"]
-    assert compiled_keys()["update"] == _expected_keys(inputs)["update"]
+    stage = engine(inputs, bound=False)
+    assert not spies.compiled["remap"]
+    assert spies.compiled["update"] == _expected_keys(inputs)["update"]
     got = stage.run(inputs)
     assert got.routes == [*MATERIALIZED, "stock:convert"]
 
@@ -509,12 +436,6 @@ def test_warmup_without_bound_cache_skips_the_remap(monkeypatch, references):
             id="update",
         ),
         pytest.param(
-            "upcast",
-            Step([2, 2], [157, 210], seed=24),
-            [UPDATE, "stock:upcast", "defer", "kernel:remap"],
-            id="upcast",
-        ),
-        pytest.param(
             "remap",
             Step([2, 2], [157, 210], seed=25),
             [*MATERIALIZED, "stock:convert"],
@@ -528,88 +449,85 @@ def test_warmup_without_bound_cache_skips_the_remap(monkeypatch, references):
         ),
     ],
 )
-def test_uncompiled_keys_run_stock(
-    monkeypatch, references, stock_module, kernel, step, routes
-):
-    """A key warmup did not compile (here: dropped from the kernel's cache
-    after warmup) is never launched: the stage gives the input to stock."""
+def test_uncompiled_keys_run_stock(engine, spies, stock_module, kernel, step, routes):
+    """A key warmup did not compile (here: forgotten after warmup, as if it
+    had not compiled it) is never launched: the stage gives the input to
+    stock, and compiles nothing."""
     inputs = make_inputs(step)
-    stage = Stage(monkeypatch, inputs)
-    kernels()[kernel]._compiled_cache.clear()
+    stage = engine(inputs)
+    spies.forget(kernel)
     got = stage.run(inputs)
     assert got.routes == routes
+    assert not spies.compiled[kernel]
     assert_same(got, stock_run(stock_module, inputs), logical="defer" not in routes)
 
 
-def test_uncompiled_expand_materializes_through_stock(
-    monkeypatch, references, stock_module
-):
-    inputs = make_inputs(Step([2, 2], [157, 210], seed=27))
-    stage = Stage(monkeypatch, inputs)
-    kernels()["expand"]._compiled_cache.clear()
-    kernels()["remap"]._compiled_cache.clear()
+def test_sm100_uncompiled_upcast_runs_stock(sm100, engine, spies, stock_module):
+    inputs = make_inputs(Step([2, 2], [157, 210], seed=24), mx=True)
+    stage = engine(inputs)
+    spies.forget("upcast")
     got = stage.run(inputs)
-    assert got.routes == [UPDATE, UPCAST, "defer", "materialize", "stock:expand"] + [
-        "stock:convert"
+    assert got.routes == [UPDATE, "stock:upcast", "defer", "kernel:remap"]
+    assert_same(got, stock_run(stock_module, inputs), logical=False)
+
+
+def test_uncompiled_expand_materializes_through_stock(engine, spies, stock_module):
+    inputs = make_inputs(Step([2, 2], [157, 210], seed=27))
+    stage = engine(inputs)
+    spies.forget("expand")
+    spies.forget("remap")
+    got = stage.run(inputs)
+    assert got.routes == [
+        UPDATE,
+        UPCAST,
+        "defer",
+        "materialize",
+        "stock:expand",
+        "stock:convert",
     ]
     assert_same(got, stock_run(stock_module, inputs))
 
 
-def test_frozen_after_warmup(monkeypatch, references):
-    """After the warmup a launch of a key it did not compile raises (no
-    compile inside a decode step), where the stage sends the input to stock;
-    a later engine's warmup may compile again; a CUDA graph capture never."""
+def test_stage_compiles_nothing_after_warmup(engine, spies, timeline):
+    """A shape no warmup compiled (48 pools) goes to stock at once: the
+    stage never compiles in a step."""
     inputs = make_inputs(Step([1], [150], seed=28))
-    stage = Stage(monkeypatch, inputs)
-    stage.log.clear()
+    stage = engine(inputs).stage
+    compiled = {name: set(keys) for name, keys in spies.compiled.items()}
+    timeline.clear()
     ids = torch.zeros((2, 48), dtype=torch.int32)
-    lengths = torch.tensor([200, 201])
     out = torch.full((2, 256), 9, dtype=torch.int32)
-    key = kpool.ExpandPoolsKernel.CompileKey(48, torch.int64)
-    assert not launch._compiles_allowed()
-    with pytest.raises(RuntimeError, match="not compiled during warmup"):
-        type(kpool.EXPAND).run(kpool.EXPAND, key, ids, lengths, out, 0)
-    stage.stage.expand(ids, lengths, POOL, seq_offset=1, out=out)
-    assert stage.log == ["stock:expand"]
-    with launch.warming_up():
-        assert launch._compiles_allowed()
-        kpool.EXPAND.compile(key)
-    assert kpool.EXPAND.ready(key) and not launch._compiles_allowed()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with launch.warming_up():
-        assert not launch._compiles_allowed()
+    stage.expand(ids, torch.tensor([200, 201]), POOL, seq_offset=1, out=out)
+    assert timeline == ["stock:expand"] and spies.compiled == compiled
 
 
 # --- Which steps plan, and which defer --------------------------------------
 
 
-def test_mtp_layer_never_defers(monkeypatch, references, stock_module):
-    """The MTP draft's forward is not planned; and in a planned one, its
-    indexer is not among the stage's layers: its top-k is expanded into its
-    buffer and its (stock) group converts it."""
+def test_mtp_layer_never_defers(engine, stock_module):
+    """The MTP draft's layers have their own top-k buffer, which no stage is
+    installed on: its indexer runs stock, in its own forward and in one
+    whose metadata also holds the model's layers (a planned step)."""
     step = Step([2, 2], [157, 210], layer=MTP_LAYER, tail=MTP_TAIL, seed=18)
     inputs = make_inputs(step)
-    stage = Stage(monkeypatch, make_inputs(Step([1], [150])))
-    mtp_group = make_group(inputs.args["topk_indices_buffer"], 64, stage.log)
+    model = engine(make_inputs(Step([1], [150])))
+    mtp_group = make_group(inputs.buffer, 64, model.timeline)
     want = stock_run(stock_module, inputs)
-    got = stage.run(inputs, group=mtp_group)
-    assert got.routes == ["indexer:expand"]
+    got = model.run(inputs, group=mtp_group)
+    assert got.routes == ["indexer:expand", "stock:convert"]
     assert_same(got, want)
-    # A forward whose metadata also holds the model's layers is planned.
     inputs.metadata[LAYER] = inputs.metadata[MTP_LAYER]
-    mtp_group = make_group(inputs.args["topk_indices_buffer"], 64, stage.log)
-    got = stage.run(inputs, group=mtp_group)
-    assert got.routes == [UPDATE, UPCAST, "kernel:expand"]
-    assert_same(got, want)
+    with_model = model.run(inputs, group=mtp_group)
+    assert with_model.routes == ["indexer:expand", "stock:convert"]
+    assert_same(with_model, want)
 
 
-def test_mixed_step_never_defers(monkeypatch, references, stock_module):
+def test_mixed_step_never_defers(monkeypatch, engine, stock_module):
     """Prefill rows are the logical buffer's: even a planned step expands."""
     inputs = make_inputs(Step([1, 1], [150, 180], prefill=9, seed=7))
-    stage = Stage(monkeypatch, inputs)
-    monkeypatch.setattr(kpool, "planned", lambda: True)
-    got = stage.run(inputs)
+    model = engine(inputs)
+    monkeypatch.setattr(steps.PlannedSteps, "covers", lambda self, context: True)
+    got = model.run(inputs)
     assert got.routes == EXPANDED
     assert_same(got, stock_run(stock_module, inputs))
 
@@ -617,30 +535,28 @@ def test_mixed_step_never_defers(monkeypatch, references, stock_module):
 @pytest.mark.parametrize(
     "case", ["mixed", "not-warmed", "dummy", "above-plan", "no-context"]
 )
-def test_unplanned_steps_run_stock(monkeypatch, references, stock_module, case):
+def test_unplanned_steps_run_stock(engine, stock_module, case):
     step = Step([1, 1], [150, 180], prefill=9 if case == "mixed" else 0, seed=19)
     inputs = make_inputs(step)
-    stage = Stage(
-        monkeypatch,
+    model = engine(
         inputs,
         max_rows=1 if case == "above-plan" else 64,
         warm=case != "not-warmed",
     )
     if case == "no-context":
-        assert not sd.planned()
-        assert stage.stage.decode_step(None, LAYER, None, 128, POOL, None) is None
+        assert not model.stage.planned()
+        assert model.stage.decode_step(None, LAYER, None, 128, POOL, None) is None
         return
-    got = stage.run(inputs, dummy_run=case == "dummy")
+    got = model.run(inputs, dummy_run=case == "dummy")
     assert got.routes == ["indexer:expand", "stock:convert"]
     assert_same(got, stock_run(stock_module, inputs))
 
 
-def test_defers_rule(monkeypatch, references):
+def test_defers_rule(engine):
     """``defers``: a fused layer, at most ``max_rows`` rows, the remap's
     shapes (pools a multiple of 32, at least 32, a wide enough width the
     stock conversion with counts compacts in order)."""
-    inputs = make_inputs(Step([1], [150]))
-    stage = Stage(monkeypatch, inputs, max_rows=8).stage
+    stage = engine(make_inputs(Step([1], [150])), max_rows=8).stage
     assert stage.defers(LAYER, 8, 32, POOL, 256)
     assert stage.defers(LAYER, 1, 512, POOL, GLM_WIDTH)
     # With counts the widest in-order width is 4096 columns: 992 pools.
@@ -656,32 +572,87 @@ def test_defers_rule(monkeypatch, references):
     assert not stage.defers(LAYER, 1, 32, 8, 256)
 
 
-def test_pool_topk_buffer(monkeypatch, references):
+def test_pool_topk_buffer(engine):
     """A deferring step's pool top-k lives in the stage's buffer (the remap
     reads it after the indexer returns); others get a fresh tensor."""
-    inputs = make_inputs(Step([1], [150]))
-    stage = Stage(monkeypatch, inputs, max_rows=8).stage
-    fresh = stage.pool_topk(3, 32, "cpu")
+    stage = engine(make_inputs(Step([1], [150])), max_rows=8).stage
+    fresh = LayerStep(stage, None).pool_topk(3, 32, "cpu")
     assert fresh.shape == (3, 32) and fresh.dtype == torch.int32
     assert fresh.data_ptr() != stage.pool_buffer.data_ptr()
-    stage.deferring = True
-    held = stage.pool_topk(3, 32, "cpu")
+    held = LayerStep(stage, stage.remaps[LAYER]).pool_topk(3, 32, "cpu")
     assert held.shape == (3, 32) and held.is_contiguous()
     assert held.data_ptr() == stage.pool_buffer.data_ptr()
     assert stage.pool_buffer.shape == (8, 1024)
 
 
-def test_defer_is_consumed_once(monkeypatch, references):
+# --- The hand-off ------------------------------------------------------------
+
+
+def test_hand_off_is_converted_once(engine):
+    """A deferring step hands its layer's FusedRemap the pool ids and the
+    rows' positions; a second hand-over before the conversion raises."""
     inputs = make_inputs(Step([1, 1], [150, 180], seed=20))
-    stage = Stage(monkeypatch, inputs).stage
+    stage = engine(inputs).stage
+    remap = stage.remaps[LAYER]
     ids = stage.pool_buffer[:2, :32]
     positions = torch.zeros(3, dtype=torch.int64)
     meta = inputs.metadata[LAYER].decode
-    stage.deferring = True
-    assert stage.resolve(ids, positions, meta, None)
-    assert not stage.deferring
-    pool_ids, kept, pool = stage.pending
-    assert pool_ids is ids and kept.shape == (2,) and pool == POOL
-    stage.deferring = True
-    with pytest.raises(AssertionError, match="not consumed"):
-        stage.resolve(ids, positions, meta, None)
+    assert LayerStep(stage, remap).resolve(ids, positions, meta, None)
+    pending = remap.pending
+    assert pending.pool_ids is ids and pending.positions.shape == (2,)
+    with pytest.raises(RuntimeError, match="was not converted"):
+        LayerStep(stage, remap).resolve(ids, positions, meta, None)
+    assert remap.pending is pending
+
+
+def test_hand_off_check_survives_python_O():
+    """The check is not an assert: ``python -O`` keeps it. (The subprocess
+    loads ``fused_remap.py`` with its vLLM imports stubbed: under ``-O``
+    every import compiles its source anew.)"""
+    script = textwrap.dedent(f"""
+        import importlib.util, sys, types
+
+        def load(name, path=None, **attributes):
+            if path is None:
+                module = types.ModuleType(name)
+            else:
+                spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(spec)
+            module.__dict__.update(attributes)
+            sys.modules[name] = module
+            if path is not None:
+                spec.loader.exec_module(module)
+            return module
+
+        class SparseMLAIndexGroup:
+            def _convert_once(self, *args, **kwargs):
+                raise AssertionError("not converted here")
+
+        package = "vllm.models.glm5next.nvidia.specialized_decode"
+        load("vllm.forward_context", in_piecewise_cudagraph=None)
+        load("vllm.utils.torch_utils", current_stream=None)
+        load("vllm.v1.attention.backends.mla.index_group",
+             SparseMLAIndexGroup=SparseMLAIndexGroup)
+        load(package + ".remap_kernel", REMAP=None, RemapArgs=None)
+        load(package + ".constants", {str(PACKAGE / "constants.py")!r})
+        fused = load(package + ".fused_remap", {str(PACKAGE / "fused_remap.py")!r})
+
+        assert not __debug__, "not under -O"
+        remap = fused.FusedRemap(SparseMLAIndexGroup(), stage=None)
+        deferred = fused.Deferred(pool_ids=None, positions=None)
+        remap.hand_over(deferred)
+        try:
+            remap.hand_over(deferred)
+        except RuntimeError as error:
+            print("refused:", error)
+            sys.exit(0 if remap.pending is deferred else "replaced")
+        sys.exit("a second hand-over was taken")
+    """)
+    child = subprocess.run(
+        [sys.executable, "-O", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stdout + child.stderr[-4000:]
+    assert "refused: GLM-5-Next kpool: a deferred top-k" in child.stdout

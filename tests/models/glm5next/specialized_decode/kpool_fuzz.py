@@ -1,24 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""GPU fuzz plumbing of the kpool kernel tests: fresh seeds, the CUDA skip,
-and the per-loop outcomes the conftest prints at the end of the run."""
+"""GPU fuzz plumbing of the kpool kernel tests: fresh seeds, poisoned
+outputs, byte comparisons, and the per-loop outcomes the conftest prints at
+the end of the run. (The tests are marked ``gpu``: the root conftest skips
+them without CUDA.)"""
 
 import os
 import random
 import secrets
 from collections.abc import Callable
 
-import pytest
 import torch
 
 FUZZ_REPORT: list[str] = []
-
-
-def needs_cuda():
-    return pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason="needs a CUDA GPU (the GPU tier: tools/kernel_env/gpu_tier.sh)",
-    )
 
 
 def fuzz_seed() -> int:

@@ -1,15 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The specialized decode tail (``kpool_update`` then ``expand_and_remap``)
-captured once per planned batch size and replayed with fresh inputs copied
-into its static buffers; every replay byte for byte against stock run eagerly
-on the same inputs (caches, tail ring, physical top-k, counts)."""
+"""The specialized decode tail of a planned step (``kpool_update``, then the
+fused remap of the deferred pool top-k: ``RemapArgs(..., int32_lengths=True)``
+as ``FusedRemap`` launches it) captured once per planned batch size and
+replayed with fresh inputs copied into its static buffers; every replay byte
+for byte against stock's decode run eagerly on the same inputs (caches, tail
+ring, physical top-k, counts)."""
 
 import pytest
 import torch
-from kpool_fuzz import fuzz_cases, fuzz_seed, needs_cuda, report
+from kpool_fuzz import fuzz_cases, fuzz_seed, report
 
-pytestmark = [pytest.mark.gpu, needs_cuda()]
+pytestmark = pytest.mark.gpu
 
 DIM, POOL, RING, PAGE, GROUPS, WIDTH, BLOCK = 128, 4, 4, 64, 512, 2176, 64
 # (requests, tokens per request): decode and MTP verify steps.
@@ -73,6 +75,10 @@ class Step:
 
     def specialized(self, mx):
         from vllm.models.glm5next.nvidia.specialized_decode import kpool
+        from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import (
+            REMAP,
+            RemapArgs,
+        )
 
         kpool.kpool_update(
             self.kv,
@@ -86,16 +92,20 @@ class Step:
             POOL,
             mx_scales=mx,
         )
-        kpool.expand_and_remap(
-            self.pool_ids,
-            self.row_positions,
-            POOL,
-            self.req_ids,
-            self.block_table,
-            self.out[: self.rows],
-            self.counts,
-            block_size=BLOCK,
-            stride_rows=BLOCK,
+        REMAP.run(
+            RemapArgs(
+                self.pool_ids,
+                self.row_positions,
+                POOL,
+                self.req_ids,
+                self.block_table,
+                self.out[: self.rows],
+                self.counts,
+                BLOCK,
+                BLOCK,
+                seq_offset=1,
+                int32_lengths=True,
+            )
         )
 
     def stock(self, kv, tail, mx, monkeypatch):
@@ -149,7 +159,7 @@ def test_decode_tail_graph_replays_match_stock(monkeypatch):
         capture.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(capture):
-            step.specialized(mx)  # compiles outside the capture
+            step.specialized(mx)  # compiles outside the capture (run's lazy compile)
             torch.cuda.synchronize()
             with torch.cuda.graph(graph, stream=capture):
                 step.specialized(mx)

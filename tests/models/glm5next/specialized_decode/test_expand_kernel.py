@@ -1,14 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``expand_pools`` against the patched ``expand_pools_and_append_tail``
-writing into a row slice of a wider buffer: the whole buffer byte for byte
-(columns past the expansion must stay untouched)."""
+"""The pool expansion against the patched ``expand_pools_and_append_tail``,
+the whole output buffer byte for byte (columns and rows past the expansion
+must stay untouched), in one fuzz loop over both length arithmetics:
+
+- ``expand_pools`` (``int32_lengths=False``): lengths computed in their own
+  dtype, against stock on the same int32 or int64 lengths, into a row slice
+  of a wider buffer;
+- ``ExpandArgs(..., int32_lengths=True)``, the stage's decode expansion:
+  int64 positions (at and beyond 2^31 - 1, far beyond it, negative)
+  truncated to int32, against stock's decode itself,
+  ``expand_pools_and_append_tail(pool_ids.to(torch.int64),
+  positions.to(torch.int32) + 1, 4)`` (offset 1), or stock on the truncated
+  lengths with the case's offset.
+
+Pool ids: valid, -1, and ids whose int32 token ids wrap; zero pools (the
+tail is still written), pool counts that are not powers of two, negative and
+zero lengths, every residue mod 4."""
 
 import pytest
 import torch
-from kpool_fuzz import differs, fuzz, needs_cuda, poison
+from kpool_fuzz import differs, fuzz, poison
 
-pytestmark = [pytest.mark.gpu, needs_cuda()]
+pytestmark = pytest.mark.gpu
 
 POOL = 4
 
@@ -27,16 +41,18 @@ def pool_ids_for(rows: int, groups: int, gen, rng) -> torch.Tensor:
 
 def seq_lens_for(rows: int, gen, dtype=torch.int32) -> torch.Tensor:
     """Every residue mod 4, zero and negative (padding) lengths; int64 ones
-    also at and beyond the int32 range."""
+    also at and beyond the int32 range (both signs)."""
     g = dict(generator=gen, device=gen.device)
     lens = torch.randint(0, 300_000, (rows,), **g)
     short = torch.randint(-9, 5, (rows,), **g)
     lens = torch.where(torch.rand(rows, **g) < 0.1, short, lens)
     if dtype == torch.int64:
         edge = torch.randint(2**31 - 6, 2**31 + 6, (rows,), **g)
+        low = torch.randint(-(2**31) - 6, -(2**31) + 6, (rows,), **g)
         far = torch.randint(-(2**40), 2**40, (rows,), **g)
         pick = torch.rand(rows, **g)
         lens = torch.where(pick < 0.3, edge, torch.where(pick < 0.6, far, lens))
+        lens = torch.where(pick > 0.95, low, lens)
     else:
         edge = torch.randint(2**31 - 6, 2**31, (rows,), **g)
         lens = torch.where(torch.rand(rows, **g) < 0.1, edge, lens)
@@ -47,9 +63,14 @@ def check_case(rng, gen) -> str | None:
     from vllm.models.glm5next.nvidia.ops.kpool_compress import (
         expand_pools_and_append_tail,
     )
+    from vllm.models.glm5next.nvidia.specialized_decode.expand_kernel import (
+        EXPAND,
+        ExpandArgs,
+    )
     from vllm.models.glm5next.nvidia.specialized_decode.kpool import expand_pools
 
     device = gen.device
+    int32_lengths = rng.random() < 0.5
     rows = rng.choice([1, 2, 7, 8, 64, 128, 256, rng.randint(1, 256)])
     groups = rng.choice([0, 1, 31, 32, 100, 512, 1024, rng.randint(1, 1024)])
     out_cols = groups * POOL + POOL - 1
@@ -61,54 +82,46 @@ def check_case(rng, gen) -> str | None:
         wide = torch.full((rows, groups + 64), -7, dtype=torch.int32, device=device)
         wide[:, :groups] = pool_ids
         pool_ids = wide[:, :groups]
-    dtype = rng.choice([torch.int32, torch.int64])
+    # The stage's decode expansion: int64 positions (int32 ones admitted
+    # too), offset 1 (mostly).
+    dtypes = [torch.int32, torch.int64] + [torch.int64] * (2 * int32_lengths)
+    dtype = rng.choice(dtypes)
     seq_lens = seq_lens_for(rows, gen, dtype)
-    seq_offset = rng.choice([0, 1, 1, 3, -2])
+    offsets = [1, 1, 1, 0, 3, -2] if int32_lengths else [0, 1, 1, 3, -2]
+    seq_offset = rng.choice(offsets)
     stock_out = poison((rows + 3, width), torch.int32, gen)
     ours_out = stock_out.clone()
-    expand_pools_and_append_tail(
-        pool_ids, seq_lens, POOL, seq_offset=seq_offset, out=stock_out[:rows]
-    )
-    got = expand_pools(
-        pool_ids, seq_lens, POOL, seq_offset=seq_offset, out=ours_out[:rows]
-    )
+    if not int32_lengths:
+        expand_pools_and_append_tail(
+            pool_ids, seq_lens, POOL, seq_offset=seq_offset, out=stock_out[:rows]
+        )
+        got = expand_pools(
+            pool_ids, seq_lens, POOL, seq_offset=seq_offset, out=ours_out[:rows]
+        )
+    else:
+        if seq_offset == 1:  # stock's decode, as it is written
+            stock_out[:rows, :out_cols] = expand_pools_and_append_tail(
+                pool_ids.to(torch.int64), seq_lens.to(torch.int32) + 1, POOL
+            )
+        else:
+            expand_pools_and_append_tail(
+                pool_ids,
+                seq_lens.to(torch.int32),
+                POOL,
+                seq_offset=seq_offset,
+                out=stock_out[:rows],
+            )
+        args = ExpandArgs(pool_ids, seq_lens, POOL, seq_offset, ours_out[:rows], True)
+        got = EXPAND.run(args).out
     torch.cuda.synchronize()
     problem = differs("out", stock_out, ours_out)
     if problem or got.data_ptr() != ours_out.data_ptr():
         return (
-            f"rows {rows} groups {groups} width {width} {dtype} offset "
-            f"{seq_offset}: {problem}"
+            f"int32_lengths {int32_lengths} rows {rows} groups {groups} width "
+            f"{width} {dtype} offset {seq_offset}: {problem}"
         )
     return None
 
 
 def test_expand_pools_matches_stock():
-    fuzz("expand_pools", 1000, check_case)
-
-
-def test_zero_pools_write_the_tail():
-    """No pools: the three tail columns are still written, as stock does."""
-
-    def zero(rng, gen):
-        from vllm.models.glm5next.nvidia.ops.kpool_compress import (
-            expand_pools_and_append_tail,
-        )
-        from vllm.models.glm5next.nvidia.specialized_decode.kpool import (
-            expand_pools,
-        )
-
-        rows = rng.randint(1, 256)
-        dtype = rng.choice([torch.int32, torch.int64])
-        pool_ids = torch.empty(rows, 0, dtype=torch.int32, device=gen.device)
-        seq_lens = seq_lens_for(rows, gen, dtype)
-        stock_out = poison((rows, 4), torch.int32, gen)
-        ours_out = stock_out.clone()
-        expand_pools_and_append_tail(
-            pool_ids, seq_lens, POOL, seq_offset=1, out=stock_out
-        )
-        expand_pools(pool_ids, seq_lens, POOL, seq_offset=1, out=ours_out)
-        torch.cuda.synchronize()
-        problem = differs("out", stock_out, ours_out)
-        return f"rows {rows} {dtype}: {problem}" if problem else None
-
-    fuzz("expand_pools zero pools", 50, zero)
+    fuzz("expand_pools", 1500, check_case)

@@ -1,47 +1,47 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``FusedRemap`` as a real ``SparseMLAIndexGroup``'s conversion, on its side
-stream and events, against the stock group converting the logical rows the
-stock indexer writes: physical indices (and counts) byte for byte.
+stream and events, against the stock group converting the logical rows
+stock's decode writes: physical indices (and counts) byte for byte.
 
-Every path that hands data between the compute stream and the side stream
-runs with the compute stream held back (``torch.cuda._sleep`` after the
-indexer's event record), eagerly, replayed from a captured CUDA graph and
+Two engines run side by side, each a ``KpoolStage`` with one fused layer (its
+own group, pool buffer and per-layer hand-off) fed its own inputs, their
+steps interleaved: both defer, then both convert. A stage that read the
+other's pool buffer or hand-off would convert the other's pool ids.
+
+Every hand-off between the compute stream and the side stream runs with the
+other stream held back (``torch.cuda._sleep``): the compute stream after
+each indexer's event record (the side stream must wait for it), the side
+stream before each eager conversion (the compute stream, which copies the
+result at once, must wait for it). Eagerly, replayed from a captured CUDA graph and
 under piecewise graphs (the side stream waits on the compute stream): the
 fused conversion with and without counts, and each way it declines (an
 ``idx_mapping``, rows past the group's buffers, a kernel not compiled, a
 block size the kernel does not take), where the stock conversion must read
 the rows ``materialize`` writes, never the stale ones."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from kpool_fuzz import fuzz_seed, needs_cuda, report
+from kpool_fuzz import fuzz_seed, report
 
-pytestmark = [pytest.mark.gpu, needs_cuda()]
+from tools.indexer import model
+
+pytestmark = pytest.mark.gpu
 
 POOL, GROUPS, WIDTH, MAX_ROWS = 4, 512, 2176, 64
-# Cycles the compute stream sleeps after the indexer's event record.
+LAYER = "model.layers.0.self_attn"
+# Cycles a stream is held back at each hand-off.
 HOLD_BACK = 2_000_000
+POISON = -7
 
 
 def make_group(device):
-    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
-
-    group = SparseMLAIndexGroup(
-        logical_topk_indices=torch.full(
-            (MAX_ROWS * 2, WIDTH), -1, dtype=torch.int32, device=device
-        ),
-        physical_topk_indices=torch.empty(
-            MAX_ROWS + 1, WIDTH, dtype=torch.int32, device=device
-        ),
-        valid_topk_counts=torch.empty(MAX_ROWS + 1, dtype=torch.int32, device=device),
-        side_stream=torch.cuda.Stream(device),
-        logical_topk_ready=torch.cuda.Event(),
-        physical_topk_ready=torch.cuda.Event(),
-        has_indexer=True,
-    )
-    group.register_layer()
-    return group
+    """A layer's index group whose physical rows (``MAX_ROWS + 1``) are
+    fewer than its logical ones, so a step can have rows past them."""
+    logical = torch.full((MAX_ROWS * 2, WIDTH), -1, dtype=torch.int32, device=device)
+    return model.index_group(logical, device, physical_rows=MAX_ROWS + 1)
 
 
 class Inputs:
@@ -68,19 +68,26 @@ class Inputs:
         )
 
 
-def stock_step(group, x: Inputs, counts: bool, idx_mapping: bool):
-    """What the stock indexer and the stock conversion write for these rows."""
-    from vllm.models.glm5next.nvidia.ops.kpool_compress import (
-        expand_pools_and_append_tail,
-    )
+class Engine:
+    """One engine: a ``KpoolStage`` on one DSA layer whose index group fuses
+    (the stage installs the layer's ``FusedRemap``), the stock group it is
+    compared with, and its own inputs."""
 
-    logical = group.logical_topk_indices[: x.rows]
-    logical.fill_(-1)
-    expand_pools_and_append_tail(
-        x.pool_ids, x.positions, POOL, seq_offset=1, out=logical
-    )
-    group.set_logical_topk_ready(0)
-    result = group._convert_once(
+    def __init__(self, rows: int, block: int, device):
+        from vllm.models.glm5next.nvidia.specialized_decode.stage import KpoolStage
+
+        self.group, self.stock_group = make_group(device), make_group(device)
+        # The shared sparse MLA decode converts through the group.
+        impl = model.sparse_mla_impl("group", self.group)
+        attn = model.dsa_layer(LAYER, impl, self.group.logical_topk_indices, 4 * GROUPS)
+        self.stage = KpoolStage([attn], MAX_ROWS, device)
+        self.remap = self.stage.remaps[f"{LAYER}.indexer.k_cache"]
+        assert self.group._convert_once is self.remap and self.remap.stage is self.stage
+        self.x = Inputs(rows, block, device)
+
+
+def _convert(group, logical, x: Inputs, counts: bool, idx_mapping: bool):
+    return group._convert_once(
         0,
         logical,
         x.req_ids,
@@ -90,43 +97,75 @@ def stock_step(group, x: Inputs, counts: bool, idx_mapping: bool):
         return_valid_counts=counts,
         **({"idx_mapping": x.idx_mapping} if idx_mapping else {}),
     )
+
+
+def _copy(result, counts: bool):
+    """The conversion's result as the compute stream reads it next."""
     out, valid = result if counts else (result, None)
     return out.clone(), None if valid is None else valid.clone()
 
 
-def hand_over(stage, x: Inputs) -> None:
-    """The indexer's deferral of the step's pool top-k (the stage's API)."""
-    if hasattr(stage, "resolve"):
-        stage.deferring = True
-        pool = stage.pool_topk(x.rows, GROUPS, x.pool_ids.device)
-        pool.copy_(x.pool_ids)
+def stock_step(engine: Engine, counts: bool, idx_mapping: bool):
+    """What stock's decode and the stock conversion write for these rows:
+    ``expand_pools_and_append_tail(pool_ids.to(torch.int64),
+    positions.to(torch.int32) + 1, 4)`` into -1 rows, then the group."""
+    from vllm.models.glm5next.nvidia.ops.kpool_compress import (
+        expand_pools_and_append_tail,
+    )
 
-        class Decode:
-            requires_padding = False
+    group, x = engine.stock_group, engine.x
+    logical = group.logical_topk_indices[: x.rows]
+    logical.fill_(-1)
+    logical[:, : GROUPS * POOL + POOL - 1] = expand_pools_and_append_tail(
+        x.pool_ids.to(torch.int64), x.positions.to(torch.int32) + 1, POOL
+    )
+    group.set_logical_topk_ready(0)
+    return _copy(_convert(group, logical, x, counts, idx_mapping), counts)
 
-        assert stage.resolve(pool, x.positions, Decode, None)
-    else:  # the stage before the fix, for the record of the race
-        pool = stage.pool_ids(x.rows, GROUPS)
-        pool.copy_(x.pool_ids)
-        stage.defer(pool, x.positions, POOL)
 
+def hand_over(engine: Engine) -> None:
+    """The indexer's deferral in a planned step (patch 0002's calls on the
+    stage's ``LayerStep``): the top-k into the stage's pool buffer, handed
+    to the layer's conversion; then its ready event, the compute stream held
+    back."""
+    from vllm.models.glm5next.nvidia.specialized_decode.stage import LayerStep
 
-def fused_step(group, stage, x: Inputs, counts: bool, idx_mapping: bool):
-    """The specialized path: stale logical rows, the pool top-k handed over,
-    the indexer's event record, the compute stream held back, the conversion."""
+    x, group = engine.x, engine.group
     group.logical_topk_indices[: x.rows].fill_(7)  # the previous step's rows
-    hand_over(stage, x)
+    group.physical_topk_indices.fill_(POISON)
+    group.valid_topk_counts.fill_(POISON)
+    step = LayerStep(engine.stage, engine.remap)
+    assert step.deferring
+    pool = step.pool_topk(x.rows, GROUPS, x.pool_ids.device)
+    assert pool.data_ptr() == engine.stage.pool_buffer.data_ptr()
+    pool.copy_(x.pool_ids)
+    assert step.resolve(
+        pool, x.positions, SimpleNamespace(requires_padding=False), None
+    )
+    assert engine.remap.pending is not None
     group.set_logical_topk_ready(0)
     torch.cuda._sleep(HOLD_BACK)
-    return group._convert_once(
-        0,
-        group.logical_topk_indices[: x.rows],
-        x.req_ids,
-        x.block_table,
-        x.block,
-        block_stride_rows=None,
-        return_valid_counts=counts,
-        **({"idx_mapping": x.idx_mapping} if idx_mapping else {}),
+
+
+def fused_steps(engines, counts: bool, idx_mapping: bool):
+    """Both engines defer, then both convert, each conversion's side stream
+    held back and its result copied on the compute stream at once."""
+    for engine in engines:
+        hand_over(engine)
+    results = []
+    for engine in engines:
+        x, group = engine.x, engine.group
+        if not torch.cuda.is_current_stream_capturing():  # not in the graph
+            with torch.cuda.stream(group.side_stream):
+                torch.cuda._sleep(HOLD_BACK)
+        logical = group.logical_topk_indices[: x.rows]
+        results.append(_copy(_convert(group, logical, x, counts, idx_mapping), counts))
+    return results
+
+
+def _same(got, expected, counts: bool) -> bool:
+    return torch.equal(got[0], expected[0]) and (
+        not counts or torch.equal(got[1], expected[1])
     )
 
 
@@ -140,67 +179,61 @@ PATHS = [
     ("declined: not compiled", 7, 64, False, False, False),
     ("declined: block size 6", 7, 6, False, False, True),
 ]
-
-
-@pytest.fixture
-def stage_and_groups(monkeypatch):
-    from vllm.models.glm5next.nvidia.specialized_decode import kpool
-
-    device = torch.device("cuda")
-    stock_group, fused_group = make_group(device), make_group(device)
-    stage = kpool.KpoolStage([], MAX_ROWS, device)
-    fused = kpool.FusedRemap(fused_group, stage)
-    assert fused_group._convert_once is fused
-    return kpool, stage, stock_group, fused_group
-
-
-def _same(got, expected, counts: bool) -> bool:
-    out, valid = got if counts else (got, None)
-    return torch.equal(out, expected[0]) and (
-        not counts or torch.equal(valid, expected[1])
-    )
-
-
-def _not_compiled(monkeypatch, kpool):
-    """The remap kernel has no executor and may not compile one."""
-    if hasattr(kpool, "REMAP"):
-        from vllm.models.glm5next.nvidia.specialized_decode import launch
-
-        monkeypatch.setattr(kpool.REMAP, "_compiled_cache", {})
-        monkeypatch.setattr(launch, "_warmed_up", True)
-    else:
-        monkeypatch.setattr(kpool, "_compiled", {})
-        monkeypatch.setattr(kpool, "_frozen", True)
+FUSED = {"fused with counts", "fused without counts"}
 
 
 @pytest.mark.parametrize("piecewise", [False, True])
 @pytest.mark.parametrize("path", PATHS, ids=[p[0] for p in PATHS])
-def test_fused_remap_streams(monkeypatch, stage_and_groups, path, piecewise):
+def test_fused_remap_streams(monkeypatch, path, piecewise):
+    from vllm.models.glm5next.nvidia.specialized_decode import fused_remap
+    from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import REMAP
     from vllm.v1.attention.backends.mla import index_group
 
-    kpool, stage, stock_group, fused_group = stage_and_groups
     name, rows, block, counts, idx_mapping, compiled = path
     # Under piecewise graphs the side stream waits on the compute stream.
-    for module in (kpool, index_group):
+    for module in (fused_remap, index_group):
         monkeypatch.setattr(module, "in_piecewise_cudagraph", lambda: piecewise)
     device = torch.device("cuda")
-    x = Inputs(rows, block, device)
-    x.refill(0)
-    fused_step(fused_group, stage, x, counts, idx_mapping)  # compile (eagerly)
+    engines = [Engine(rows, block, device) for _ in range(2)]
+    a, b = engines
+    assert a.stage.pool_buffer.data_ptr() != b.stage.pool_buffer.data_ptr()
+    for i, engine in enumerate(engines):
+        engine.x.refill(i)
+    ask = REMAP.executor_for
+
+    def compiling(args):  # the warmup of what the conversion asks for
+        for key in REMAP.get_warmup_keys([args]):
+            REMAP.compile(key)
+        return ask(args)
+
+    with monkeypatch.context() as m:
+        m.setattr(REMAP, "executor_for", compiling)
+        fused_steps(engines, counts, idx_mapping)
     if not compiled:
-        _not_compiled(monkeypatch, kpool)
+        monkeypatch.setattr(REMAP, "executor_for", lambda args: None)
+    launch, launches = REMAP.launch, []
+
+    def counted(executor, args):
+        launches.append(args.out.data_ptr())
+        return launch(executor, args)
+
+    monkeypatch.setattr(REMAP, "launch", counted)
     seed = fuzz_seed()
     failures, cases = [], 0
-    for i in range(20):  # eager, the compute stream behind the side stream
-        x.refill(seed + i)
+    for i in range(20):  # eager, each stream behind the other at a hand-off
+        for j, engine in enumerate(engines):
+            engine.x.refill(seed + 2 * i + j)
         torch.cuda.synchronize()
-        expected = stock_step(stock_group, x, counts, idx_mapping)
-        got = fused_step(fused_group, stage, x, counts, idx_mapping)
+        expected = [stock_step(e, counts, idx_mapping) for e in engines]
+        got = fused_steps(engines, counts, idx_mapping)
         torch.cuda.synchronize()
-        cases += 1
-        if not _same(got, expected, counts):
-            failures.append(f"eager case {i}")
-    assert stage.pending is None, "the deferred top-k was not consumed"
+        for label, g, e in zip("ab", got, expected, strict=True):
+            cases += 1
+            if not _same(g, e, counts):
+                failures.append(f"eager case {i} engine {label}")
+    fused = 2 * 20 if name in FUSED else 0
+    assert len(launches) == fused, f"{len(launches)} fused conversions, not {fused}"
+    assert a.remap.pending is None and b.remap.pending is None
     if not piecewise:  # FULL graph capture orders work by the same events
         graph = torch.cuda.CUDAGraph()
         capture = torch.cuda.Stream(device)
@@ -208,15 +241,18 @@ def test_fused_remap_streams(monkeypatch, stage_and_groups, path, piecewise):
         with torch.cuda.stream(capture):
             torch.cuda.synchronize()
             with torch.cuda.graph(graph, stream=capture):
-                got = fused_step(fused_group, stage, x, counts, idx_mapping)
+                got = fused_steps(engines, counts, idx_mapping)
         for i in range(20):  # replays with fresh inputs
-            x.refill(seed + 100 + i)
+            for j, engine in enumerate(engines):
+                engine.x.refill(seed + 100 + 2 * i + j)
             torch.cuda.synchronize()
             graph.replay()
             torch.cuda.synchronize()
-            expected = stock_step(stock_group, x, counts, idx_mapping)
+            expected = [stock_step(e, counts, idx_mapping) for e in engines]
             torch.cuda.synchronize()
-            cases += 1
-            if not _same(got, expected, counts):
-                failures.append(f"graph replay {i}")
+            for label, g, e in zip("ab", got, expected, strict=True):
+                cases += 1
+                if not _same(g, e, counts):
+                    failures.append(f"graph replay {i} engine {label}")
+        assert a.remap.pending is None and b.remap.pending is None
     report(f"FusedRemap {name} (piecewise {piecewise})", cases, seed, failures)

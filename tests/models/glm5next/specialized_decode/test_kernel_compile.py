@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The CPU tier of the kpool kernels: each compiles for sm_90a and sm_100a
-(fake tensors, no GPU), its PTX holds what bit exactness with stock depends
+(fake tensors, no GPU) as the warmup compiles it (``KERNEL.kernel(key)`` on
+``warmup_inputs(key)``), its PTX holds what bit exactness with stock depends
 on, and the stock Triton kernel still lowers to that same arithmetic (a
 Triton that changes its lowering must fail here, not drift silently)."""
 
@@ -14,11 +15,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import cutlass.cute as cute
 import pytest
-
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-cute = pytest.importorskip("cutlass.cute")
 
 ARCHS = ["sm_90a", "sm_100a"]
 LOG2E = "0f3FB8AA3B"
@@ -70,41 +68,35 @@ def cute_kernels():
     """(name, kernel, fake arguments) of every kernel and variant."""
     import torch
 
-    from vllm.models.glm5next.nvidia.specialized_decode import kpool as k
+    from vllm.models.glm5next.nvidia.specialized_decode.expand_kernel import EXPAND
+    from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import REMAP
+    from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import UPCAST
+    from vllm.models.glm5next.nvidia.specialized_decode.update_kernel import UPDATE
 
     ring, page, page_bytes, tail_block, tail_half = LAYOUT
     i32, i64 = torch.int32, torch.int64
+    update = UPDATE.CompileKey
     variants = [
         (
-            k.UPDATE,
+            UPDATE,
             f"update-mx{int(mx)}-round{int(r)}",
-            k.KpoolUpdateKernel.CompileKey(
-                ring, page, page_bytes, tail_block, tail_half, mx, r, i64, i64, i32
-            ),
+            update(ring, page, page_bytes, tail_block, tail_half, mx, r, i64, i64, i32),
         )
         for mx, r in VARIANTS
     ]
+    positions64 = (True, True, i32, i32, i64)
+    layout = (ring, page, page_bytes, tail_block, tail_half)
+    remap = REMAP.CompileKey
     variants += [
-        (
-            k.UPDATE,
-            "update-int64-positions",
-            k.KpoolUpdateKernel.CompileKey(
-                ring, page, page_bytes, tail_block, tail_half, True, True, i32, i32, i64
-            ),
-        ),
-        (k.EXPAND, "expand", k.ExpandPoolsKernel.CompileKey(512, i32)),
-        (k.EXPAND, "expand-int64", k.ExpandPoolsKernel.CompileKey(512, i64)),
-        (
-            k.REMAP,
-            "remap",
-            k.ExpandRemapKernel.CompileKey(512, 2176, 64, 64, i64, True),
-        ),
-        (
-            k.REMAP,
-            "remap-nocounts",
-            k.ExpandRemapKernel.CompileKey(512, 2176, 64, 64, i64, False),
-        ),
-        (k.UPCAST, "upcast", k.UpcastLogitsKernel.CompileKey()),
+        (UPDATE, "update-int64-positions", update(*layout, *positions64)),
+        (EXPAND, "expand", EXPAND.CompileKey(512, i32, False)),
+        (EXPAND, "expand-int64", EXPAND.CompileKey(512, i64, False)),
+        # The stage's decode expansions: int64 positions truncated to int32.
+        (EXPAND, "expand-int32-lengths", EXPAND.CompileKey(512, i64, True)),
+        (REMAP, "remap", remap(512, 2176, 64, 64, i64, False, True)),
+        (REMAP, "remap-nocounts", remap(512, 2176, 64, 64, i64, False, False)),
+        (REMAP, "remap-int32-lengths", remap(512, 2176, 64, 64, i64, True, True)),
+        (UPCAST, "upcast", UPCAST.CompileKey()),
     ]
     for kernel, name, key in variants:
         yield name, kernel.kernel(key), kernel.warmup_inputs(key)
@@ -180,6 +172,8 @@ def check_update_arithmetic(ptx: str, mx: bool, round_scale: bool):
 
 @pytest.mark.parametrize("mx,round_scale", VARIANTS)
 def test_update_ptx(ptx, mx, round_scale):
+    """The update's PTX holds stock's arithmetic, its butterflies, one
+    amax reduction with NaNs as 0, and UE8M0 bytes for MX scales."""
     text = ptx[f"update-mx{int(mx)}-round{int(round_scale)}"]
     check_update_arithmetic(text, mx, round_scale)
     count = ops(text)
@@ -212,11 +206,14 @@ def stock_ptx(tmp_path_factory):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mx,round_scale", VARIANTS)
 def test_stock_update_lowering(stock_ptx, arch, mx, round_scale):
+    """The stock Triton update still lowers to the arithmetic ours copies."""
     text = stock_ptx[f"{arch}-{int(mx)}-{int(round_scale)}"]
     check_update_arithmetic(text, mx, round_scale)
 
 
 def test_every_kernel_waits_on_its_producer(ptx):
+    """Every kernel waits once on its producer (PDL), lets its dependents
+    launch where its design says, and spills nothing to local memory."""
     for name, text in ptx.items():
         count = ops(text)
         assert count["griddepcontrol.wait"] == 1, name
@@ -238,12 +235,85 @@ def test_every_kernel_waits_on_its_producer(ptx):
     ],
 )
 def test_wide_accesses(ptx, name, store):
+    """The 16- and 8-byte stores the rules' alignments are there for."""
     assert ops(ptx[name])[store] >= 1, f"{name}: no {store}"
 
 
 def test_upcast_accesses(ptx):
+    """The upcast's 8-byte loads and 16-byte stores, two runs a tile."""
     # A thread's two runs of 4 columns a tile (the first tile and the
     # loop's): 8-byte loads, 16-byte stores that a warp lays side by side.
     count = ops(ptx["upcast"])
     assert count["ld.global.nc.v2.b32"] == count["st.global.v4.b32"] == 4
     assert count["ld.global.nc.v4.b32"] == 0
+
+
+def _definitions(ptx: str) -> dict[str, list[tuple[str, list[str]]]]:
+    """Each register's defining instructions (op, operands) in ``ptx``."""
+    defs: dict[str, list[tuple[str, list[str]]]] = {}
+    line = r"^\s*(?:@!?%\w+\s+)?([a-z][\w.]*)\s+(%\w+),\s*([^;]*);"
+    for op, dst, operands in re.findall(line, ptx, re.M):
+        defs.setdefault(dst, []).append((op, [o.strip() for o in operands.split(",")]))
+    return defs
+
+
+def length_arithmetic(ptx: str) -> tuple[str, list[str]]:
+    """The width of the trailing pool's division by 4 (``trunc_div``: sign
+    shift by 31 or 63, then by 30 or 62) and the ops that define the two
+    operands of the add of length and offset it divides."""
+    pattern = (
+        r"shr\.s(32|64)\s+(%\w+),\s*(%\w+),\s*(?:31|63);"
+        r"\s*shr\.u\1\s+%\w+,\s*\2,\s*(?:30|62);"
+    )
+    [(bits, _, dividend)] = re.findall(pattern, ptx)
+    defs = _definitions(ptx)
+    [(add, operands)] = [d for d in defs[dividend] if d[0].startswith("add.")]
+    assert add == f"add.s{bits}"
+    return bits, sorted(op for operand in operands for op, _ in defs[operand])
+
+
+@pytest.mark.parametrize(
+    "name, bits, operands",
+    [
+        ("expand", "32", ["ld.global.b32", "ld.param.b32"]),
+        ("expand-int64", "64", ["cvt.s64.s32", "or.b64"]),
+        ("expand-int32-lengths", "32", ["ld.global.b32", "ld.param.b32"]),
+        ("remap", "64", ["cvt.s64.s32", "or.b64"]),
+        ("remap-int32-lengths", "32", ["ld.global.b32", "ld.param.b32"]),
+    ],
+)
+def test_length_arithmetic(ptx, name, bits, operands):
+    """``int32_lengths`` (stock's decode: ``positions.to(torch.int32) + 1``)
+    adds the offset to the int64 length's low word, loaded alone, in 32 bits
+    and divides in 32 bits, as for int32 lengths; without it an int64 length
+    (its two words joined) and the widened offset are added and divided in
+    64 bits, as stock's expansion computes them."""
+    assert length_arithmetic(ptx[name]) == (bits, operands)
+    if bits == "32":
+        assert "shr.s64" not in ptx[name], "no 64-bit division by 4"
+
+
+def test_int32_lengths_is_the_int32_kernel(ptx):
+    """The expansion of int64 lengths truncated to int32 is, instruction for
+    instruction, the expansion of int32 lengths (it loads the low word)."""
+    assert ops(ptx["expand-int32-lengths"]) == ops(ptx["expand"])
+
+
+def test_remap_compiles_to_the_int32_edge():
+    """The remap rule's bounds are the compiler's: the largest int32 block
+    size and row stride compile; one past int32, either does not (the
+    kernel's block arithmetic is int32), which is why the rule refuses it."""
+    import torch
+
+    from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import REMAP
+
+    def compile_remap(block_size, stride_rows):
+        key = REMAP.CompileKey(
+            32, 256, block_size, stride_rows, torch.int64, False, False
+        )
+        return compile_ptx(REMAP.kernel(key), REMAP.warmup_inputs(key), "sm_90a")
+
+    assert "griddepcontrol.wait" in compile_remap(2**31 - 4, 2**31 - 1)
+    for block_size, stride_rows in ((2**31, 64), (64, 2**31)):
+        with pytest.raises(Exception, match="TYPE_UNSTABLE_JOIN"):
+            compile_remap(block_size, stride_rows)

@@ -1,17 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``expand_and_remap`` against the stock decode chain it fuses: the -1 fill
-of the logical top-k rows, ``expand_pools_and_append_tail`` of the pool top-k
-into them, and ``triton_convert_req_index_to_global_index`` with counts (the
-compacted rows) or without (in place): physical indices and counts byte for
-byte, outputs poisoned first."""
+"""The fused expand + remap against the stock decode chain it fuses: the -1
+fill of the logical top-k rows, ``expand_pools_and_append_tail`` of the pool
+top-k into them, and ``triton_convert_req_index_to_global_index`` with counts
+(the compacted rows) or without (in place): physical indices and counts byte
+for byte, outputs poisoned first. One fuzz loop over both length arithmetics:
+
+- ``expand_and_remap`` (``int32_lengths=False``): positions + 1 in their own
+  dtype, the stock chain on the same int32 or int64 positions (``seq_offset
+  1``);
+- ``RemapArgs(..., int32_lengths=True)``, the ``FusedRemap`` of a deferred
+  decode step: int64 positions (at and beyond 2^31 - 1, far beyond it,
+  negative) against stock's decode itself,
+  ``expand_pools_and_append_tail(pool_ids.to(torch.int64),
+  positions.to(torch.int32) + 1, 4)``, then the conversion.
+
+Rows past the expanded ones (CUDA-graph padding) read as -1; negative block
+table entries, block sizes and strides that are not powers of two."""
 
 import pytest
 import torch
-from kpool_fuzz import differs, fuzz, needs_cuda, poison
+from kpool_fuzz import differs, fuzz, poison
 from test_expand_kernel import pool_ids_for, seq_lens_for
 
-pytestmark = [pytest.mark.gpu, needs_cuda()]
+pytestmark = pytest.mark.gpu
 
 POOL = 4
 # (pools, logical width): GLM-5-Next's 512 pools in 2176 columns, the extremes
@@ -33,6 +45,7 @@ def stock_chain(
     block_size,
     stride_rows,
     counts,
+    int32_lengths,
 ):
     from vllm.models.glm5next.nvidia.ops.kpool_compress import (
         expand_pools_and_append_tail,
@@ -43,7 +56,12 @@ def stock_chain(
 
     logical = torch.full((rows, width), -1, dtype=torch.int32, device=pool_ids.device)
     expanded = pool_ids.shape[0]
-    if expanded:
+    if expanded and int32_lengths:  # stock's decode, as it is written
+        cols = pool_ids.shape[1] * POOL + POOL - 1
+        logical[:expanded, :cols] = expand_pools_and_append_tail(
+            pool_ids.to(torch.int64), positions[:expanded].to(torch.int32) + 1, POOL
+        )
+    elif expanded:
         expand_pools_and_append_tail(
             pool_ids, positions[:expanded], POOL, seq_offset=1, out=logical[:expanded]
         )
@@ -58,12 +76,17 @@ def stock_chain(
     )
 
 
-def check_case(rng, gen, *, counts=None, positions_dtype=None) -> str | None:
+def check_case(rng, gen) -> str | None:
     from vllm.models.glm5next.nvidia.specialized_decode.kpool import expand_and_remap
+    from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import (
+        REMAP,
+        RemapArgs,
+    )
 
     device = gen.device
     g = dict(generator=gen, device=device)
-    counts = rng.random() < 0.5 if counts is None else counts
+    counts = rng.random() < 0.5
+    int32_lengths = rng.random() < 0.5
     rows = rng.choice([1, 2, 8, 64, 255, 256, rng.randint(1, 256)])
     # Rows from `expanded` on (CUDA-graph padding) read as -1.
     expanded = rows if rng.random() < 0.7 else rng.randint(0, rows)
@@ -83,9 +106,10 @@ def check_case(rng, gen, *, counts=None, positions_dtype=None) -> str | None:
     in_range = (max_blocks * block_size) // POOL
     near = (torch.rand(expanded, groups, **g) < 0.5) & (pool_ids >= 0)
     pool_ids = torch.where(near, pool_ids % max(in_range, 1), pool_ids)
-    dtype = positions_dtype or rng.choice([torch.int32, torch.int64])
+    # The fused remap's positions are the model runner's (int64).
+    dtype = torch.int64 if int32_lengths else rng.choice([torch.int32, torch.int64])
     positions = torch.randint(-3, max_blocks * block_size + 64, (rows,), **g)
-    if positions_dtype or rng.random() < 0.2:  # the int32 edge, and beyond
+    if rng.random() < (0.5 if dtype == torch.int64 else 0.2):  # the int32 edge
         positions = seq_lens_for(rows, gen, dtype).long() - 1
     positions = positions.to(dtype)
     stock = stock_chain(
@@ -98,21 +122,26 @@ def check_case(rng, gen, *, counts=None, positions_dtype=None) -> str | None:
         block_size,
         stride_rows,
         counts,
+        int32_lengths,
     )
     stock_out, stock_counts = stock if counts else (stock, None)
     out = poison((rows, width), torch.int32, gen)
     got_counts = poison((rows + 2,), torch.int32, gen) if counts else None
-    expand_and_remap(
-        pool_ids,
-        positions,
-        POOL,
-        req_ids,
-        block_table,
-        out,
-        got_counts,
-        block_size=block_size,
-        stride_rows=stride_rows,
-    )
+    if int32_lengths:
+        args = (pool_ids, positions, POOL, req_ids, block_table, out, got_counts)
+        REMAP.run(RemapArgs(*args, block_size, stride_rows, 1, int32_lengths=True))
+    else:
+        expand_and_remap(
+            pool_ids,
+            positions,
+            POOL,
+            req_ids,
+            block_table,
+            out,
+            got_counts,
+            block_size=block_size,
+            stride_rows=stride_rows,
+        )
     torch.cuda.synchronize()
     problems = [differs("out", stock_out, out)]
     if counts:
@@ -120,22 +149,12 @@ def check_case(rng, gen, *, counts=None, positions_dtype=None) -> str | None:
     problems = [p for p in problems if p]
     if problems:
         return (
-            f"counts {counts} rows {rows}/{expanded} groups {groups} width {width} "
-            f"block {block_size}x{stride_rows} blocks {max_blocks} {dtype}: {problems}"
+            f"int32_lengths {int32_lengths} counts {counts} rows {rows}/{expanded} "
+            f"groups {groups} width {width} block {block_size}x{stride_rows} "
+            f"blocks {max_blocks} {dtype}: {problems}"
         )
     return None
 
 
 def test_expand_and_remap_matches_stock():
-    fuzz("expand_and_remap", 1000, check_case)
-
-
-@pytest.mark.parametrize("counts", [True, False])
-def test_int64_positions_beyond_int32(counts):
-    """The tail of int64 positions past 2^31 is computed in int64 and
-    truncated to the int32 logical rows, as stock's expansion stores it."""
-
-    def case(rng, gen):
-        return check_case(rng, gen, counts=counts, positions_dtype=torch.int64)
-
-    fuzz(f"expand_and_remap int64 positions counts {counts}", 200, case)
+    fuzz("expand_and_remap", 1500, check_case)

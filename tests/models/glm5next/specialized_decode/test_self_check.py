@@ -1,190 +1,187 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The warmup self-check (``self_check.py``, run by the JIT warmup entry of
-``install``): kernels that give stock's bytes turn the stage on; a kernel
-that differs keeps it off with one error line naming the kernel, the case
-and the seed ("strict": raises); "off" skips it.
+"""The warmup self-check (``self_check.py``, run by the stage's warmup entry):
+kernels that give stock's bytes turn the stage on; a kernel that differs
+keeps it off with one error line naming the kernel, the case and the seed
+("strict": raises); "off" skips it.
 
-CPU: the kernels' launches are replaced by their stock twins (stock Triton
-interpreted), one of them corrupted on purpose. GPU: the real kernels pass on
+CPU: an SM100 stage's own warmup variants, launched through the harness's
+spies (their stock twins, stock Triton interpreted), one of them corrupted on
+purpose. GPU: the real kernels of a GLM-5-Next deployment's layouts pass on
 this GPU, within the start-up budget, and a corrupted variant is caught."""
 
 import logging
 import time
-from types import SimpleNamespace
+from functools import partial
 
 import pytest
 import torch
-from kpool_fuzz import needs_cuda
 
 DIM, POOL = 128, 4
-
-
-def stock_twins(kpool):
-    """``run`` of each kernel singleton as its stock twin computes it."""
-    from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits
-    from vllm.models.glm5next.nvidia.ops import kpool_compress as ops
-    from vllm.v1.attention.backends.mla.sparse_utils import (
-        triton_convert_req_index_to_global_index,
-    )
-
-    def update(key, kv, tail, *args):
-        ops.kpool_decode_update_and_maybe_write_cache_batched(
-            kv, tail, *args, POOL, DIM, round_scale=key.round_scale
-        )
-
-    def expand(key, ids, lengths, out, offset):
-        ops.expand_pools_and_append_tail(ids, lengths, POOL, seq_offset=offset, out=out)
-
-    def remap(key, ids, positions, req_ids, table, out, counts, offset):
-        logical = torch.full_like(out, -1)
-        if ids.shape[0]:
-            ops.expand_pools_and_append_tail(
-                ids, positions[: ids.shape[0]], POOL, seq_offset=offset,
-                out=logical[: ids.shape[0]],
-            )  # fmt: skip
-        triton_convert_req_index_to_global_index(
-            req_ids, table, logical, BLOCK_SIZE=key.block_size,
-            BLOCK_STRIDE_ROWS=key.stride_rows, NUM_TOPK_TOKENS=out.shape[1],
-            return_valid_counts=counts is not None, out=out,
-            valid_counts_out=None if counts is None else counts[: out.shape[0]],
-        )  # fmt: skip
-
-    def upcast(key, logits, out, ends, ctas):
-        want = as_fp32_logits(logits, ends)
-        below = torch.arange(logits.shape[1])[None, :] < ends[:, None]
-        out[below] = want[below]
-
-    return {kpool.UPDATE: update, kpool.EXPAND: expand, kpool.REMAP: remap,
-            kpool.UPCAST: upcast}  # fmt: skip
-
-
-def keys_for(kpool):
-    """One variant of each kernel, in GLM-5-Next's layouts."""
-    i32, i64 = torch.int32, torch.int64
-    return [
-        (kpool.UPDATE, kpool.KpoolUpdateKernel.CompileKey(
-            8, 16, 16 * (DIM + 4), 2 * 8 * DIM, 8 * DIM, False, True, i64, i64, i32)),
-        (kpool.EXPAND, kpool.ExpandPoolsKernel.CompileKey(32, i64)),
-        (kpool.REMAP, kpool.ExpandRemapKernel.CompileKey(32, 256, 64, 64, i64, True)),
-        (kpool.UPCAST, kpool.UpcastLogitsKernel.CompileKey()),
-    ]  # fmt: skip
+CORRUPTED = {  # the argument each kernel writes
+    "update": "kv_cache",
+    "expand": "out",
+    "remap": "out",
+    "upcast": "out",
+}
 
 
 @pytest.fixture
-def cpu_kernels(monkeypatch):
-    from vllm.models.glm5next.nvidia.ops import kpool_compress
-    from vllm.models.glm5next.nvidia.specialized_decode import kpool
+def model(sm100, engine, monkeypatch):
+    """A warmed-up SM100 stage (every kernel has a variant) whose self-check
+    runs one case a variant."""
+    from kpool_harness import Step, make_inputs
 
-    monkeypatch.setattr(kpool_compress, "mqa_logits_use_mx_scales", lambda: False)
-    for kernel, twin in stock_twins(kpool).items():
-        monkeypatch.setattr(kernel, "run", twin)
-    return kpool
-
-
-def _warmup(stage, plan, mode):
-    from vllm.models.glm5next.nvidia import specialized_decode as sd
-
-    return sd._KpoolWarmup(stage, [], plan, mode)
-
-
-def test_matching_kernels_turn_the_stage_on(cpu_kernels, monkeypatch):
-    from vllm.models.glm5next.nvidia import specialized_decode as sd
     from vllm.models.glm5next.nvidia.specialized_decode import self_check
 
-    kpool = cpu_kernels
     monkeypatch.setattr(self_check, "CASES", 1)
-    stage = kpool.KpoolStage([], 8, "cpu")
-    monkeypatch.setattr(stage, "warmup", lambda *a, **k: keys_for(kpool))
-    plan = sd._Plan(max_rows=8, layer="layer")
-    _warmup(stage, plan, "on").compile(("dsa_kpool", 8))
-    assert plan.warmed
+    monkeypatch.setattr(self_check, "check", partial(self_check.check, cases=1))
+    monkeypatch.setenv("VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED", "1234")
+    return engine(make_inputs(Step([1], [150]), mx=True))
 
 
-@pytest.mark.parametrize("corrupt", ["UPDATE", "EXPAND", "REMAP", "UPCAST"])
-def test_a_differing_kernel_keeps_the_stage_off(cpu_kernels, monkeypatch, caplog,
-                                                corrupt):  # fmt: skip
-    from vllm.models.glm5next.nvidia import specialized_decode as sd
-    from vllm.models.glm5next.nvidia.specialized_decode import self_check
+def _self_check(model, mode):
+    from vllm.models.glm5next.nvidia.specialized_decode import warmup
 
-    kpool = cpu_kernels
-    monkeypatch.setattr(self_check, "CASES", 1)
-    kernel = getattr(kpool, corrupt)
-    twin = kernel.run
-    # The argument each kernel writes (the cache, the expansion, the remap,
-    # the upcast).
-    written = dict(UPDATE=0, EXPAND=2, REMAP=4, UPCAST=1)[corrupt]
+    model.stage.warmed = False
+    entry = warmup.KpoolWarmup(model.stage, [model.attention], mode)
+    entry.compile_many(entry.get_warmup_keys())
+    return model.stage.warmed
 
-    def corrupted(key, *args):
-        twin(key, *args)
-        args[written].view(torch.uint8).bitwise_xor_(1)  # flipped bits
 
-    monkeypatch.setattr(kernel, "run", corrupted)
-    monkeypatch.setenv(sd.SELF_CHECK_SEED_ENV, "1234")
-    stage = kpool.KpoolStage([], 8, "cpu")
-    keys = [(k, key) for k, key in keys_for(kpool) if k is kernel]
-    monkeypatch.setattr(stage, "warmup", lambda *a, **k: keys)
-    plan = sd._Plan(max_rows=8, layer="layer")
-    with caplog.at_level(logging.ERROR):
-        _warmup(stage, plan, "on").compile(("dsa_kpool", 8))
-    assert not plan.warmed, "a mismatch must keep the stage off"
-    assert not sd.planned()
-    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+def test_matching_kernels_turn_the_stage_on(model, spies, vllm_log):
+    """Every variant the warmup compiled is launched by the self-check, with
+    the key its case derives, and matches stock: the stage goes on."""
+    for launched in spies.launched.values():
+        launched.clear()
+    assert _self_check(model, "on")
+    assert spies.launched == spies.compiled
+    assert set(spies.launched) == {"update", "expand", "remap", "upcast"}
+    passed = [r.getMessage() for r in vllm_log.records if "self-check" in r.msg]
+    variants = sum(len(keys) for keys in spies.compiled.values())
+    assert passed[0].startswith(
+        "GLM-5-Next specialized decode: self-check passed: "
+        f"{variants} kernel variants x 1 cases, seed 1234, "
+    )
+
+
+@pytest.mark.parametrize("corrupt", sorted(CORRUPTED))
+def test_a_differing_kernel_keeps_the_stage_off(
+    model, spies, vllm_log, monkeypatch, corrupt
+):
+    from kpool_harness import KERNELS
+
+    from vllm.models.glm5next.nvidia.specialized_decode import warmup
+
+    kernel = KERNELS[corrupt]
+    derive = warmup.warmup_keys
+    monkeypatch.setattr(
+        warmup,
+        "warmup_keys",
+        lambda *layers: [(k, key) for k, key in derive(*layers) if k is kernel],
+    )
+    twin = spies.twins[corrupt]
+
+    def corrupted(args):
+        twin(args)
+        getattr(args, CORRUPTED[corrupt]).view(torch.uint8).bitwise_xor_(1)
+
+    spies.twins[corrupt] = corrupted
+    assert not _self_check(model, "on"), "a mismatch must keep the stage off"
+    errors = [r.getMessage() for r in vllm_log.records if r.levelno == logging.ERROR]
     assert len(errors) == 1
-    assert f"{type(kernel).__name__} case 0 (seed 1234)" in errors[0]
-    assert f"{sd.SELF_CHECK_SEED_ENV}=1234" in errors[0]
+    assert f"{type(kernel).__name__} case 0 (seed 1234) differs" in errors[0]
+    assert "VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED=1234" in errors[0]
     with pytest.raises(RuntimeError, match="self-check failed"):
-        _warmup(stage, plan, "strict").compile(("dsa_kpool", 8))
+        _self_check(model, "strict")
     # "off" skips it: the stage engages without checking.
-    _warmup(stage, plan, "off").compile(("dsa_kpool", 8))
-    assert plan.warmed
+    assert _self_check(model, "off")
 
 
-def test_self_check_switches(monkeypatch):
-    from vllm.models.glm5next.nvidia import specialized_decode as sd
+def _deployment_keys(device) -> list:
+    """(kernel, key) of every variant of a GLM-5-Next deployment's layouts
+    (512 pools, 2176-column rows, 64-token blocks, an 8-token tail ring), as
+    the kernels' own rules derive them; the upcast is SM100's (an H200's
+    warmup leaves FP32 logits to stock)."""
+    from vllm.models.glm5next.nvidia.specialized_decode import (
+        expand_kernel,
+        remap_kernel,
+        upcast_kernel,
+        update_kernel,
+    )
 
-    def config(**extra):
-        return SimpleNamespace(additional_config={"decode_backend": "auto", **extra})
+    def zeros(*shape, dtype=torch.int32):
+        return torch.zeros(shape, dtype=dtype, device=device)
 
-    monkeypatch.setattr(sd, "unsupported", lambda vllm_config: [])
-    on = dict(decode_backend="latency_specialized")
-    assert sd.specialized_decode_config(config(**on)).self_check == "on"
-    off = sd.specialized_decode_config(config(**on, **{sd.SELF_CHECK_KEY: "off"}))
-    assert off.self_check == "off"
-    monkeypatch.setenv(sd.SELF_CHECK_ENV, "strict")
-    assert sd.specialized_decode_config(config(**on)).self_check == "strict"
-    monkeypatch.setenv(sd.SELF_CHECK_ENV, "maybe")
-    with pytest.raises(ValueError, match=sd.SELF_CHECK_KEY):
-        sd.specialized_decode_config(config(**on))
+    rows = zeros(1, 1, DIM, dtype=torch.bfloat16)
+    update = update_kernel.UpdateArgs(
+        zeros(4, 64, DIM + 4, dtype=torch.uint8),
+        zeros(3, 2, 8, DIM, dtype=torch.bfloat16),
+        zeros(1, 1, dtype=torch.int64),
+        rows,
+        rows,
+        zeros(POOL, DIM, dtype=torch.float32),
+        zeros(1, 1, dtype=torch.int64),
+        zeros(1, 1),
+        POOL,
+        DIM,
+        mx_scales=False,
+    )
+    pools, positions = zeros(1, 512), zeros(1, dtype=torch.int64)
+    expand = expand_kernel.ExpandArgs(pools, positions, POOL, 1, zeros(1, 2176), True)
+    remaps = [
+        remap_kernel.RemapArgs(
+            pools,
+            positions,
+            POOL,
+            zeros(1),
+            zeros(1, 1),
+            zeros(1, 2176),
+            counts,
+            64,
+            64,
+            1,
+            True,
+        )
+        for counts in (zeros(1), None)
+    ]
+    upcast = upcast_kernel.UpcastArgs(zeros(1, 8, dtype=torch.bfloat16), zeros(1))
+    cases = [
+        (update_kernel.UPDATE, update),
+        (expand_kernel.EXPAND, expand),
+        *((remap_kernel.REMAP, remap) for remap in remaps),
+        (upcast_kernel.UPCAST, upcast),
+    ]
+    return [(kernel, kernel.key_for(args)) for kernel, args in cases]
 
 
 @pytest.mark.gpu
-@needs_cuda()
 def test_self_check_on_this_gpu(monkeypatch):
     """Every variant of a GLM-5-Next deployment's layouts passes 64 cases;
     the time is what start-up pays; a corrupted variant is caught."""
-    from test_kernel_launch import _attention
+    from vllm.models.glm5next.nvidia.specialized_decode import self_check
+    from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import REMAP
 
-    from vllm.models.glm5next.nvidia.specialized_decode import kpool, self_check
-
-    stage = kpool.KpoolStage([], 256, "cuda")
-    stage.fuse = True
-    keys = stage.warmup([_attention("cuda", ring=8, page=64)])
-    self_check.check(keys, 0, torch.device("cuda"), cases=2)  # stock compiles
+    device = torch.device("cuda")
+    keys = _deployment_keys(device)
+    for kernel, key in keys:
+        kernel.compile(key)
+    self_check.check(keys, 0, device, cases=2)  # stock compiles
     torch.cuda.synchronize()
     started = time.perf_counter()
-    problem = self_check.check(keys, 99, torch.device("cuda"))
+    problem = self_check.check(keys, 99, device)
     elapsed = time.perf_counter() - started
     print(f"self-check: {len(keys)} variants x {self_check.CASES} cases, "
           f"{elapsed:.3f} s, {problem or 'all equal'}")  # fmt: skip
     assert problem is None
-    run = kpool.REMAP.run
+    launch = REMAP.launch
 
-    def corrupted(key, *args):
-        run(key, *args)
-        args[4].view(-1)[-1:] += 1
+    def corrupted(executor, args):
+        done = launch(executor, args)
+        args.out.view(-1)[-1:] += 1
+        return done
 
-    monkeypatch.setattr(kpool.REMAP, "run", corrupted)
-    problem = self_check.check(keys, 7, torch.device("cuda"))
+    monkeypatch.setattr(REMAP, "launch", corrupted)
+    problem = self_check.check(keys, 7, device)
     print(f"self-check with a corrupted remap: {problem}")
     assert problem is not None and "ExpandRemapKernel" in problem

@@ -4,6 +4,7 @@
 CuTe DSL kernel for int32 pool ids: one 16-byte store per pool."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -11,8 +12,12 @@ import torch
 from cutlass import Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_tensor
 
-from vllm.models.glm5next.nvidia.specialized_decode.launch import (
+from vllm.models.glm5next.nvidia.specialized_decode.constants import POOL
+from vllm.models.glm5next.nvidia.specialized_decode.jit import (
+    INDEX_TYPES,
     KpoolJitKernel,
+    check_int32,
+    check_tensors,
     layout,
     mismatch,
 )
@@ -21,58 +26,62 @@ from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
     trunc_div,
 )
 
-POOL = 4
 THREADS = 128
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-_LENGTH_DTYPES = {torch.int32: Int32, torch.int64: Int64}
 
 
-def expand_unmet(
-    pool_ids: torch.Tensor,
-    seq_lens: torch.Tensor,
-    pool_size: int,
-    seq_offset: int,
-    out: torch.Tensor | None,
-) -> str | None:
-    """The first requirement of ``expand_pools`` these stock arguments miss,
-    as "argument: expected X, got Y"; None when the kernel takes them."""
-    if pool_size != POOL:
-        return mismatch("pool_size", str(POOL), pool_size)
+class ExpandArgs(NamedTuple):
+    """The arguments of ``expand_pools_and_append_tail`` (patched:
+    ``seq_offset``, ``out``). ``int32_lengths``: ``seq_lens`` are truncated
+    to int32 before the offset is added, as the stock decode's
+    ``positions.to(torch.int32) + 1`` (else computed in their own dtype, as
+    the stock kernel computes them)."""
+
+    pool_ids: torch.Tensor
+    seq_lens: torch.Tensor
+    pool_size: int
+    seq_offset: int = 0
+    out: torch.Tensor | None = None
+    int32_lengths: bool = False
+
+
+def _check_layouts(a: ExpandArgs) -> None:
+    if a.pool_size != POOL:
+        raise mismatch("pool_size", str(POOL), a.pool_size)
+    pool_ids = a.pool_ids
     shape = pool_ids.shape
     if pool_ids.dtype is not torch.int32 or len(shape) != 2 or pool_ids.stride(1) != 1:
-        return mismatch(
+        raise mismatch(
             "pool_ids", "int32 [rows, pools], unit column stride", layout(pool_ids)
         )
-    rows, cols = shape[0], shape[1] * POOL + POOL - 1
+    out = a.out
     if out is None:
-        return mismatch("out", f"int32 [{rows}, >={cols}]", None)
+        raise mismatch("out", "a tensor to write (the kernel does not allocate)", None)
     size, stride = out.shape, out.stride()
     if (
         out.dtype is not torch.int32
         or len(size) != 2
-        or size[0] != rows
-        or size[1] < cols
+        or size[0] != shape[0]
+        or size[1] < shape[1] * POOL + POOL - 1
         or stride[1] != 1
         or stride[0] % 4
         or out.data_ptr() % 16
     ):
-        return mismatch(
+        raise mismatch(
             "out",
-            f"int32 [{rows}, >={cols}], unit column stride, 16-byte aligned rows",
+            "int32 [rows, >= pools * 4 + 3], unit column stride, 16-byte aligned rows",
             layout(out),
         )
+    seq_lens = a.seq_lens
     if (
-        seq_lens.dtype not in _LENGTH_DTYPES
+        seq_lens.dtype not in INDEX_TYPES
         or seq_lens.dim() != 1
-        or seq_lens.shape[0] < rows
+        or seq_lens.shape[0] < shape[0]
         or seq_lens.stride(0) != 1
     ):
-        return mismatch(
-            "seq_lens", f"int32/int64 [>={rows}], unit stride", layout(seq_lens)
+        raise mismatch(
+            "seq_lens", "int32/int64 [>= rows], unit stride", layout(seq_lens)
         )
-    if not INT32_MIN <= seq_offset <= INT32_MAX:
-        return mismatch("seq_offset", "an int32", seq_offset)
-    return None
+    check_int32("seq_offset", a.seq_offset)
 
 
 class _ExpandKernel:
@@ -82,8 +91,10 @@ class _ExpandKernel:
 
     def __init__(self, key: "ExpandPoolsKernel.CompileKey"):
         self.groups = key.groups
-        # seq_len + offset is computed in the dtype of seq_lens, as stock does.
-        self.width = Int64 if key.seq_lens_dtype == torch.int64 else Int32
+        # seq_len + offset in the dtype of seq_lens, as stock computes it, or
+        # in int32 of truncated lengths, as stock's decode casts positions.
+        wide = key.seq_lens_dtype == torch.int64 and not key.int32_lengths
+        self.width = Int64 if wide else Int32
         self.ctas = max(1, (self.groups + THREADS - 1) // THREADS)
 
     @cute.jit
@@ -128,14 +139,28 @@ class _ExpandKernel:
             out[row, self.groups * POOL + tid] = value
 
 
-class ExpandPoolsKernel(KpoolJitKernel["ExpandPoolsKernel.CompileKey"]):
+class ExpandPoolsKernel(KpoolJitKernel["ExpandPoolsKernel.CompileKey", ExpandArgs]):
     """The compiled ``_ExpandKernel`` executors, one per pool count and
-    ``seq_lens`` dtype."""
+    length arithmetic."""
 
     @dataclass(frozen=True)
     class CompileKey:
         groups: int
         seq_lens_dtype: torch.dtype
+        int32_lengths: bool
+
+    def key_for(self, args: ExpandArgs) -> CompileKey:
+        check_tensors(args, ("pool_ids", "seq_lens", "out"), optional=("out",))
+        _check_layouts(args)
+        return self.key(
+            args.pool_ids.shape[1], args.seq_lens.dtype, bool(args.int32_lengths)
+        )
+
+    def executor_args(self, args: ExpandArgs) -> tuple:
+        return args.pool_ids, args.seq_lens, args.out, args.seq_offset
+
+    def launches(self, args: ExpandArgs) -> bool:
+        return args.pool_ids.shape[0] > 0
 
     @staticmethod
     def kernel(compile_key: CompileKey) -> _ExpandKernel:
@@ -148,7 +173,7 @@ class ExpandPoolsKernel(KpoolJitKernel["ExpandPoolsKernel.CompileKey"]):
             Int32, (rows, cute.sym_int()), (cute.sym_int64(), 1), assumed_align=4
         )
         lengths = make_fake_tensor(
-            _LENGTH_DTYPES[compile_key.seq_lens_dtype],
+            INDEX_TYPES[compile_key.seq_lens_dtype],
             (cute.sym_int(),),
             (1,),
             assumed_align=4,

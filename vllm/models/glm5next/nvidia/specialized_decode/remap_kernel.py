@@ -5,6 +5,7 @@
 counts (the compacted rows) or without (in place), one CTA per query row."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -13,8 +14,17 @@ import torch
 from cutlass import Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_tensor
 
-from vllm.models.glm5next.nvidia.specialized_decode.launch import (
+from vllm.models.glm5next.nvidia.specialized_decode.constants import (
+    INT32_MAX,
+    MAX_GROUPS,
+    POOL,
+)
+from vllm.models.glm5next.nvidia.specialized_decode.jit import (
+    INDEX_TYPES,
     KpoolJitKernel,
+    Refused,
+    check_int32,
+    check_tensors,
     layout,
     mismatch,
 )
@@ -23,13 +33,29 @@ from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
     trunc_div,
 )
 
-POOL = 4
-# Most pools one CTA maps: one thread per pool.
-MAX_GROUPS = 1024
 # The stock conversion's column tile: its rows are whole tiles.
 STOCK_TILE = 128
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-_POSITION_DTYPES = {torch.int32: Int32, torch.int64: Int64}
+
+
+class RemapArgs(NamedTuple):
+    """``triton_convert_req_index_to_global_index(req_ids, block_table,
+    logical, BLOCK_SIZE=block_size, BLOCK_STRIDE_ROWS=stride_rows,
+    return_valid_counts=counts is not None)`` of the logical rows that
+    ``expand_pools_and_append_tail(pool_ids, positions, pool_size,
+    seq_offset=seq_offset)`` writes (the rows past ``pool_ids``: -1), into
+    ``out`` and ``counts``. ``int32_lengths`` as in ``ExpandArgs``."""
+
+    pool_ids: torch.Tensor
+    positions: torch.Tensor
+    pool_size: int
+    req_ids: torch.Tensor
+    block_table: torch.Tensor
+    out: torch.Tensor
+    counts: torch.Tensor | None
+    block_size: int
+    stride_rows: int
+    seq_offset: int = 1
+    int32_lengths: bool = False
 
 
 def stock_compacts_in_order(width: int) -> bool:
@@ -40,53 +66,47 @@ def stock_compacts_in_order(width: int) -> bool:
     return padded == width or padded <= 4096
 
 
-def remap_shape_unmet(
-    groups: int, width: int, pool_size: int, counts: bool
-) -> str | None:
-    """The first requirement of ``expand_and_remap`` that ``groups`` pools
-    in rows of ``width`` columns miss; None when the kernel takes them."""
+def check_shape(groups: int, width: int, pool_size: int, counts: bool) -> None:
+    """What the kernel takes of ``groups`` pools in rows of ``width``
+    columns (raises ``Refused``): the stage asks it before a step defers."""
     if pool_size != POOL:
-        return mismatch("pool_size", str(POOL), pool_size)
+        raise mismatch("pool_size", str(POOL), pool_size)
     if groups % 32 or not 32 <= groups <= MAX_GROUPS:
-        return mismatch(
+        raise mismatch(
             "pool_ids", f"a multiple of 32 pools, at most {MAX_GROUPS}", groups
         )
     if width < groups * POOL + POOL - 1 or width % STOCK_TILE:
-        return mismatch(
+        raise mismatch(
             "out",
-            f"a width of at least {groups * POOL + POOL - 1} "
+            f"a width of at least pools * 4 + 3 ({groups * POOL + POOL - 1}) "
             f"columns, a multiple of {STOCK_TILE}",
             width,
         )
     if counts and not stock_compacts_in_order(width):
-        return mismatch(
+        raise mismatch(
             "out",
             "a width the stock conversion with counts compacts "
             "in column order (at most 4096)",
             width,
         )
-    return None
 
 
-def remap_unmet(
-    pool_ids: torch.Tensor,
-    positions: torch.Tensor,
-    pool_size: int,
-    req_ids: torch.Tensor,
-    block_table: torch.Tensor,
-    out: torch.Tensor,
-    counts: torch.Tensor | None,
-    block_size: int,
-    seq_offset: int,
-) -> str | None:
-    """The first requirement of ``expand_and_remap`` these arguments miss,
-    as "argument: expected X, got Y"; None when the kernel takes them."""
+def shape_takes(groups: int, width: int, pool_size: int, counts: bool) -> bool:
+    try:
+        check_shape(groups, width, pool_size, counts)
+    except Refused:
+        return False
+    return True
+
+
+def _check_layouts(a: RemapArgs) -> None:
+    pool_ids, req_ids, out = a.pool_ids, a.req_ids, a.out
     if pool_ids.dtype != torch.int32 or pool_ids.ndim != 2 or pool_ids.stride(1) != 1:
-        return mismatch(
+        raise mismatch(
             "pool_ids", "int32 [rows, pools], unit column stride", layout(pool_ids)
         )
     if req_ids.dtype != torch.int32 or req_ids.ndim != 1 or req_ids.stride(0) != 1:
-        return mismatch("req_ids", "int32 [rows], unit stride", layout(req_ids))
+        raise mismatch("req_ids", "int32 [rows], unit stride", layout(req_ids))
     rows = req_ids.shape[0]
     if (
         out.dtype != torch.int32
@@ -95,49 +115,55 @@ def remap_unmet(
         or not out.is_contiguous()
         or out.data_ptr() % 16
     ):
-        return mismatch(
-            "out", f"a contiguous 16-byte aligned int32 [{rows}, width]", layout(out)
+        raise mismatch(
+            "out",
+            "a contiguous 16-byte aligned int32 [rows of req_ids, width]",
+            layout(out),
         )
-    shape = remap_shape_unmet(
-        pool_ids.shape[1], out.shape[1], pool_size, counts is not None
-    )
-    if shape is not None:
-        return shape
-    if block_size % POOL or block_size <= 0:
-        return mismatch("block_size", "a positive multiple of 4", block_size)
+    check_shape(pool_ids.shape[1], out.shape[1], a.pool_size, a.counts is not None)
+    # The kernel's block arithmetic is int32 (block_size is a power of two
+    # or a multiple of 4 that the MLA cache takes).
+    if (
+        not isinstance(a.block_size, int)
+        or a.block_size % POOL
+        or not 0 < a.block_size <= INT32_MAX
+    ):
+        raise mismatch("block_size", "a positive int32 multiple of 4", a.block_size)
+    check_int32("stride_rows", a.stride_rows)
+    counts = a.counts
     if counts is not None and (
         counts.dtype != torch.int32
         or counts.ndim != 1
         or counts.shape[0] < rows
         or counts.stride(0) != 1
     ):
-        return mismatch("counts", f"int32 [>={rows}], unit stride", layout(counts))
-    if (
-        block_table.dtype != torch.int32
-        or block_table.ndim != 2
-        or block_table.stride(1) != 1
-    ):
-        return mismatch(
+        raise mismatch(
+            "counts", "int32 [>= rows of req_ids], unit stride", layout(counts)
+        )
+    table = a.block_table
+    if table.dtype != torch.int32 or table.ndim != 2 or table.stride(1) != 1:
+        raise mismatch(
             "block_table",
             "int32 [requests, blocks], unit column stride",
-            layout(block_table),
+            layout(table),
         )
     if pool_ids.shape[0] > rows:
-        return mismatch("pool_ids", f"at most {rows} rows", pool_ids.shape[0])
+        raise mismatch(
+            "pool_ids", f"at most the rows of req_ids ({rows})", pool_ids.shape[0]
+        )
+    positions = a.positions
     if (
-        positions.dtype not in _POSITION_DTYPES
+        positions.dtype not in INDEX_TYPES
         or positions.ndim != 1
         or positions.shape[0] < pool_ids.shape[0]
         or positions.stride(0) != 1
     ):
-        return mismatch(
+        raise mismatch(
             "positions",
-            f"int32/int64 [>={pool_ids.shape[0]}], unit stride",
+            "int32/int64 [>= rows of pool_ids], unit stride",
             layout(positions),
         )
-    if not INT32_MIN <= seq_offset <= INT32_MAX:
-        return mismatch("seq_offset", "an int32", seq_offset)
-    return None
+    check_int32("seq_offset", a.seq_offset)
 
 
 class _RemapKernel:
@@ -154,8 +180,10 @@ class _RemapKernel:
         self.groups, self.width = key.groups, key.width
         self.block_size, self.stride_rows = key.block_size, key.stride_rows
         self.counts, self.warps = key.counts, key.groups // 32
-        # The tail is computed in the dtype of positions, as stock's expansion.
-        self.wide = Int64 if key.positions_dtype == torch.int64 else Int32
+        # The tail in the dtype of positions, as stock's expansion computes it,
+        # or in int32 of truncated positions, as stock's decode casts them.
+        wide = key.positions_dtype == torch.int64 and not key.int32_lengths
+        self.wide = Int64 if wide else Int32
 
     @cute.jit
     def __call__(
@@ -224,7 +252,7 @@ class _RemapKernel:
         # The thread that appends the trailing pool loads its block-table
         # entries here, beside its own pool's, before any store: after a
         # store they would wait for it (out may alias the table) and for
-        # each other, a chain of dependent loads (ncu: half the stalls).
+        # each other, a chain of dependent loads.
         tail_thread = self.groups - 1 if cutlass.const_expr(self.counts) else 0
         tail_valid = [Int32(0)] * (POOL - 1)
         tail_value = [Int32(0)] * (POOL - 1)
@@ -310,9 +338,9 @@ class _RemapKernel:
             out[row, c] = Int32(-1)
 
 
-class ExpandRemapKernel(KpoolJitKernel["ExpandRemapKernel.CompileKey"]):
+class ExpandRemapKernel(KpoolJitKernel["ExpandRemapKernel.CompileKey", RemapArgs]):
     """The compiled ``_RemapKernel`` executors, one per top-k shape, KV block
-    layout, positions dtype and conversion (with or without counts)."""
+    layout, positions arithmetic and conversion (with or without counts)."""
 
     @dataclass(frozen=True)
     class CompileKey:
@@ -321,7 +349,40 @@ class ExpandRemapKernel(KpoolJitKernel["ExpandRemapKernel.CompileKey"]):
         block_size: int
         stride_rows: int
         positions_dtype: torch.dtype
+        int32_lengths: bool
         counts: bool
+
+    def key_for(self, args: RemapArgs) -> CompileKey:
+        check_tensors(
+            args,
+            ("pool_ids", "positions", "req_ids", "block_table", "out", "counts"),
+            optional=("counts",),
+        )
+        _check_layouts(args)
+        return self.key(
+            args.pool_ids.shape[1],
+            args.out.shape[1],
+            args.block_size,
+            args.stride_rows,
+            args.positions.dtype,
+            bool(args.int32_lengths),
+            args.counts is not None,
+        )
+
+    def executor_args(self, args: RemapArgs) -> tuple:
+        a = args
+        return (
+            a.pool_ids,
+            a.positions,
+            a.req_ids,
+            a.block_table,
+            a.out,
+            a.counts,
+            a.seq_offset,
+        )
+
+    def launches(self, args: RemapArgs) -> bool:
+        return args.req_ids.shape[0] > 0
 
     @staticmethod
     def kernel(compile_key: CompileKey) -> _RemapKernel:
@@ -334,7 +395,7 @@ class ExpandRemapKernel(KpoolJitKernel["ExpandRemapKernel.CompileKey"]):
             Int32, (cute.sym_int(), k.groups), (cute.sym_int64(), 1), assumed_align=4
         )
         positions = make_fake_tensor(
-            _POSITION_DTYPES[k.positions_dtype],
+            INDEX_TYPES[k.positions_dtype],
             (cute.sym_int(),),
             (1,),
             assumed_align=4,

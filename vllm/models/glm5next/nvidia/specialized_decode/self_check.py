@@ -25,12 +25,13 @@ from vllm.models.glm5next.nvidia.specialized_decode import (
     upcast_kernel,
     update_kernel,
 )
+from vllm.models.glm5next.nvidia.specialized_decode.constants import DIM, POOL
+from vllm.models.glm5next.nvidia.specialized_decode.jit import Refused
 from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
 
 CASES = 64
-DIM, POOL = 128, 4
 SPECIALS = (float("inf"), -float("inf"), float("nan"), -0.0, 1e-40, 3e38)
 
 
@@ -43,7 +44,10 @@ def check(keys, seed: int, device, cases: int = CASES) -> str | None:
         for case in range(cases):
             rng = random.Random(seed + case)
             gen = torch.Generator(device).manual_seed(seed + case)
-            got, want = _CASES[name](kernel, key, rng, gen)
+            try:
+                got, want = _CASES[name](kernel, key, rng, gen)
+            except _NotLaunched as error:
+                return f"{name} case {case} (seed {seed + case}): {error}"
             flags = [_differs(g, w) for g, w in zip(got, want, strict=True)]
             results.append((name, key, case, torch.stack(flags).any()))
     if not results:
@@ -53,6 +57,23 @@ def check(keys, seed: int, device, cases: int = CASES) -> str | None:
         if differs:
             return f"{name} case {case} (seed {seed + case}) differs from stock: {key}"
     return None
+
+
+class _NotLaunched(Exception):
+    """A case the kernel would not launch with its key."""
+
+
+def _launch(kernel, key, args) -> None:
+    """Launches ``args`` as the stage would, after checking that the
+    kernel's own derivation gives them ``key``."""
+    try:
+        derived = kernel.key_for(args)
+    except Refused as error:
+        raise _NotLaunched(f"refused: {error}") from error
+    if derived != key:
+        raise _NotLaunched(f"derives {derived}, not {key}")
+    if kernel.run_if_ready(args) is None:
+        raise _NotLaunched(f"{key} is not compiled")
 
 
 def _differs(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -99,21 +120,24 @@ def _update(kernel, key, rng, gen):
         values = _specials(values, 0.02, gen)
     keys, scores = values.to(torch.bfloat16)
     ape = torch.randn(POOL, DIM, **g)
-    args = [
+    args = (
         tail_slots.to(key.tail_slots_dtype),
         keys,
         scores,
         ape,
         slots.to(key.slots_dtype),
         positions.to(key.positions_dtype),
-    ]
+    )
     cache_shape = ((pages, key.page, DIM + 4), (key.page_bytes, DIM + 4, 1))
     tail_shape = ((blocks, 2, key.ring, DIM), (key.tail_block, key.tail_half, DIM, 1))
     caches = []
     for _ in range(2):
         c, t = cache.clone(), tail.clone()
         caches.append((c, t, c.as_strided(*cache_shape), t.as_strided(*tail_shape)))
-    kernel.run(key, caches[0][2], caches[0][3], *args)
+    flags = (POOL, DIM, key.mx_scales, key.round_scale)
+    _launch(
+        kernel, key, update_kernel.UpdateArgs(caches[0][2], caches[0][3], *args, *flags)
+    )
     kpool_compress.kpool_decode_update_and_maybe_write_cache_batched(
         caches[1][2], caches[1][3], *args, POOL, DIM, round_scale=key.round_scale
     )
@@ -149,7 +173,13 @@ def _expand(kernel, key, rng, gen):
         torch.full((rows, width), -7, dtype=torch.int32, device=gen.device)
         for _ in range(2)
     ]
-    kernel.run(key, ids, lengths, outs[0], 1)
+    _launch(
+        kernel,
+        key,
+        expand_kernel.ExpandArgs(ids, lengths, POOL, 1, outs[0], key.int32_lengths),
+    )
+    if key.int32_lengths:
+        lengths = lengths.to(torch.int32)
     kpool_compress.expand_pools_and_append_tail(
         ids, lengths, POOL, seq_offset=1, out=outs[1]
     )
@@ -168,10 +198,23 @@ def _remap(kernel, key, rng, gen):
     req_ids = torch.randint(0, rows, (rows,), dtype=torch.int32, **g)
     out = torch.full((rows, key.width), -7, dtype=torch.int32, device=device)
     counts = torch.full((rows,), -7, dtype=torch.int32, device=device)
-    kernel.run(
-        key, ids, positions, req_ids, table, out, counts if key.counts else None, 1
+    args = remap_kernel.RemapArgs(
+        ids,
+        positions,
+        POOL,
+        req_ids,
+        table,
+        out,
+        counts if key.counts else None,
+        key.block_size,
+        key.stride_rows,
+        1,
+        key.int32_lengths,
     )
+    _launch(kernel, key, args)
     logical = torch.full((rows, key.width), -1, dtype=torch.int32, device=device)
+    if key.int32_lengths:
+        positions = positions.to(torch.int32)
     if expanded:
         kpool_compress.expand_pools_and_append_tail(
             ids, positions[:expanded], POOL, seq_offset=1, out=logical[:expanded]
@@ -203,7 +246,7 @@ def _upcast(kernel, key, rng, gen):
     out = torch.empty_strided(
         (rows, width), (stride, 1), dtype=torch.float32, device=device
     )
-    kernel.run(key, logits, out, ends, upcast_kernel.CTAS)
+    _launch(kernel, key, upcast_kernel.UpcastArgs(logits, ends, out))
     want = as_fp32_logits(logits, ends)
     below = torch.arange(width, device=device)[None, :] < ends[:, None]
     return (out.view(torch.int32)[below],), (want.view(torch.int32)[below],)

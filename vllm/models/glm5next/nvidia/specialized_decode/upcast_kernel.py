@@ -6,6 +6,7 @@ side), DeepGEMM's row stride kept, the tiles of long rows spread over the
 CTAs of short ones."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -14,8 +15,9 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.runtime import make_fake_tensor
 
-from vllm.models.glm5next.nvidia.specialized_decode.launch import (
+from vllm.models.glm5next.nvidia.specialized_decode.jit import (
     KpoolJitKernel,
+    check_tensors,
     layout,
     mismatch,
 )
@@ -26,15 +28,11 @@ from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
     unpack_bf16,
 )
 
-# 256-thread CTAs of 2048-element tiles, at most 512 CTAs: the row ends are
-# device data, so the shape alone chooses. A grid's fixed cost grows with its
-# CTAs even where they have nothing to do (a kernel of 128-thread CTAs that
-# only read their row ends took 1.3 us with 512 CTAs and 1.8 with 1024 on the
-# H200, graph-replayed), and rows that end far below the width, the usual
-# decode step (the width is max_model_len), are mostly that cost: 8 x 256K
-# short rows took 1.88 us with 1024 CTAs of 128 threads, 1.44 with these;
-# full rows 0-3 % longer (same threads, coarser tiles).
-# tools/bench_kpool.py --upcast-sweep times the bounds.
+# 256-thread CTAs of 2048-element tiles, at most 512 CTAs whatever the shape
+# (the row ends are device data): a grid's fixed cost grows with its CTAs
+# even where they have nothing to do, and rows that end far below the width
+# are the usual decode step (the width is max_model_len). docs/performance.md
+# has the measurements behind the bound.
 THREADS, CTAS = 256, 512
 TILE = THREADS * 8
 TILE_SHIFT = TILE.bit_length() - 1
@@ -43,13 +41,19 @@ TILE_SHIFT = TILE.bit_length() - 1
 GROUP_ROWS = 32
 
 
-def upcast_unmet(
-    logits: torch.Tensor, row_ends: torch.Tensor, out: torch.Tensor | None = None
-) -> str | None:
-    """The first requirement of ``upcast_logits`` these arguments miss, as
-    "argument: expected X, got Y"; None when the kernel takes them."""
-    # Each tensor attribute read costs ~0.1 us of an eager call's ~10: read
-    # the strides once, and let the tuple stand for ndim and unit stride.
+class UpcastArgs(NamedTuple):
+    """The arguments of ``as_fp32_logits``, and where to write (None: a new
+    tensor with the strides of ``logits``, as stock allocates)."""
+
+    logits: torch.Tensor
+    row_ends: torch.Tensor
+    out: torch.Tensor | None = None
+
+
+def _check_layouts(a: UpcastArgs) -> None:
+    logits, row_ends, out = a
+    # This runs before every eager upcast: read the strides once, and let the
+    # tuple stand for ndim and unit stride.
     stride = logits.stride()
     if (
         logits.dtype != torch.bfloat16
@@ -58,37 +62,30 @@ def upcast_unmet(
         or stride[0] % 8
         or logits.data_ptr() % 16
     ):
-        return mismatch(
+        raise mismatch(
             "logits",
             "bf16 [rows, width], unit column stride, 16-byte aligned rows",
             layout(logits),
         )
-    rows = logits.shape[0]
     if (
         row_ends.dtype != torch.int32
         or row_ends.stride() != (1,)
-        or row_ends.shape[0] != rows
+        or row_ends.shape[0] != logits.shape[0]
     ):
-        return mismatch("row_ends", f"int32 [{rows}], unit stride", layout(row_ends))
+        raise mismatch(
+            "row_ends", "int32 [rows of logits], unit stride", layout(row_ends)
+        )
     if out is not None and (
         out.dtype != torch.float32
         or out.stride() != stride
         or out.shape != logits.shape
         or out.data_ptr() % 16
     ):
-        return mismatch(
+        raise mismatch(
             "out",
             "fp32 with the shape and strides of logits, 16-byte aligned",
             layout(out),
         )
-    return None
-
-
-def upcast_config(rows: int, width: int) -> int:
-    """The most CTAs of the upcast of ``rows`` x ``width`` logits; the row
-    ends are device data, so only the shape can choose."""
-    del rows, width  # one CTA count serves every shape (measured)
-    return CTAS
 
 
 class _UpcastKernel:
@@ -123,11 +120,10 @@ class _UpcastKernel:
         lane = cute.arch.lane_idx()
         group = row - row % GROUP_ROWS
         cute.arch.griddepcontrol_wait()
-        # The dependent grid may launch once every CTA is on its last tile.
-        # Where the width gives each CTA about two tiles at most (a row's
-        # first, then one of the rest; one more where ends run into the row
-        # padding), at once: a trigger after the row ends' load cost 8 x 256K
-        # short rows 0.15 us on the H200.
+        # The dependent grid may launch once every CTA is on its last tile:
+        # at once where the width gives each CTA about two tiles at most (a
+        # row's first, then one of the rest; one more where ends run into the
+        # row padding), so that short rows do not wait for the ends' load.
         if 2 * splits * TILE >= src.shape[1]:
             cute.arch.griddepcontrol_launch_dependents()
         # Lane l of every warp holds the end of the group's row l: one load.
@@ -136,8 +132,8 @@ class _UpcastKernel:
         )
         end = cute.arch.shuffle_sync(lane_end, offset=row - group)
         # Else here if this CTA's row has no tile for it past the first (the
-        # other CTAs' triggers, which come later, decide; triggering only
-        # after the first tile cost short rows 0.7 us).
+        # other CTAs' triggers, which come later, decide): before the tile,
+        # since a short row's whole time is that tile.
         if (split + splits) * TILE >= end:
             cute.arch.griddepcontrol_launch_dependents()
         # Each lane's row's tiles past the first splits: ceil(end / TILE) -
@@ -148,8 +144,8 @@ class _UpcastKernel:
         more = cute.arch.vote_ballot_sync(count > 0) != 0
         lane_first, rest = Int32(0), Int32(0)
         # Between the first tile's loads and its stores, if any row has more
-        # tiles, the group's tiles before each row (ptxas for SM90 moves the
-        # stores up: the scan, ~0.1 us, then waits for them).
+        # tiles, the group's tiles before each row: the scan overlaps the
+        # loads in flight.
         loaded = self.load_tile(src, row, split * TILE, end)
         if more:
             lane_first, rest = self.scan(count)
@@ -209,10 +205,8 @@ class _UpcastKernel:
     def load_tile(self, src: cute.Tensor, row: Int32, first: Int32, end: Int32):
         """The words of the tile of ``row`` from column ``first`` below
         ``end``: each thread two runs of 4 columns, so that a warp's 16-byte
-        stores cover 512 contiguous bytes (with one 16-byte load a thread, a
-        store fills half of each of 32 sectors: full rows took up to 13 %
-        longer with 1024 CTAs of 128 threads and 32-35 % with 2048, on the
-        H200)."""
+        stores cover 512 contiguous bytes (one 16-byte load a thread would
+        make each warp store fill half of each of 32 sectors)."""
         tid, _, _ = cute.arch.thread_idx()
         # A whole load is safe below the row's width, and below its end,
         # which stock reads up to: the run that holds a row end is loaded
@@ -252,12 +246,37 @@ class _UpcastKernel:
                         dst[row, e] = Float32(src[row, e])
 
 
-class UpcastLogitsKernel(KpoolJitKernel["UpcastLogitsKernel.CompileKey"]):
+class UpcastLogitsKernel(KpoolJitKernel["UpcastLogitsKernel.CompileKey", UpcastArgs]):
     """The compiled ``_UpcastKernel`` executor (one serves every shape)."""
 
     @dataclass(frozen=True)
     class CompileKey:
         pass
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._only_key = self.CompileKey()
+
+    def key_for(self, args: UpcastArgs) -> CompileKey:
+        check_tensors(args, UpcastArgs._fields, optional=("out",))
+        _check_layouts(args)
+        return self._only_key
+
+    def complete(self, args: UpcastArgs) -> UpcastArgs:
+        if args.out is not None:
+            return args
+        logits = args.logits
+        # One call less than torch.empty_strided(..., device=...).
+        out = logits.new_empty_strided(
+            logits.shape, logits.stride(), dtype=torch.float32
+        )
+        return UpcastArgs(logits, args.row_ends, out)
+
+    def executor_args(self, args: UpcastArgs) -> tuple:
+        return args.logits, args.out, args.row_ends, CTAS
+
+    def launches(self, args: UpcastArgs) -> bool:
+        return args.logits.numel() > 0
 
     @staticmethod
     def kernel(compile_key: CompileKey) -> _UpcastKernel:
@@ -273,7 +292,3 @@ class UpcastLogitsKernel(KpoolJitKernel["UpcastLogitsKernel.CompileKey"]):
 
 
 UPCAST = UpcastLogitsKernel()
-# The launch of every shape, its key built once (upcast_config chooses none
-# by shape; test_upcast_config pins the two): looking the key up took about
-# 1 us of an eager upcast's ~9.
-UPCAST_LAUNCH = (UPCAST.key(), CTAS)

@@ -13,6 +13,7 @@ int64 as the stock kernel computes them.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -21,8 +22,11 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.runtime import make_fake_tensor
 
-from vllm.models.glm5next.nvidia.specialized_decode.launch import (
+from vllm.models.glm5next.nvidia.specialized_decode.constants import DIM, POOL
+from vllm.models.glm5next.nvidia.specialized_decode.jit import (
+    INDEX_TYPES,
     KpoolJitKernel,
+    check_tensors,
     layout,
     mismatch,
 )
@@ -42,36 +46,44 @@ from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
     unpack_bf16,
 )
 
-DIM = 128  # the GLM-5-Next index head dimension
-POOL = 4  # the kpool size the kernels take
 FP8_MAX = 448.0
 INV_SQRT_DIM = 0.08838834764831845  # 1/sqrt(128), exact in FP32
 # The biased exponent of +inf: stock's exp2 of a rounded exponent >= 128.
 INF_EXPONENT = 128
 
-_INDEX_DTYPES = {torch.int32: cutlass.Int32, torch.int64: cutlass.Int64}
+
+class UpdateArgs(NamedTuple):
+    """The arguments of ``kpool_decode_update_and_maybe_write_cache_batched``
+    and what the stock kernel reads besides them: ``mx_scales`` is its
+    ``mqa_logits_use_mx_scales()``."""
+
+    kv_cache: torch.Tensor
+    tail_kv_cache: torch.Tensor
+    tail_slot_mapping: torch.Tensor
+    key: torch.Tensor
+    slot_score: torch.Tensor
+    ape: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    pool_size: int
+    head_dim: int = DIM
+    mx_scales: bool = True
+    round_scale: bool = True
 
 
-def update_unmet(
-    kv_cache: torch.Tensor,
-    tail_kv_cache: torch.Tensor,
-    tail_slot_mapping: torch.Tensor,
-    key: torch.Tensor,
-    slot_score: torch.Tensor,
-    ape: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    pool_size: int,
-    head_dim: int = DIM,
-) -> str | None:
-    """The first requirement of ``kpool_update`` these stock arguments miss,
-    as "argument: expected X, got Y"; None when the kernel takes them.
+_TENSORS = UpdateArgs._fields[:8]
+_INDICES = ("tail_slot_mapping", "slot_mapping", "positions")
 
-    It runs before every eager launch: each tensor's layout is read once."""
-    if head_dim != DIM:
-        return mismatch("head_dim", str(DIM), head_dim)
-    if pool_size != POOL:
-        return mismatch("pool_size", str(POOL), pool_size)
+
+def _check_layouts(a: UpdateArgs) -> None:
+    """What the kernel's 4- and 8-byte accesses and its warp per request
+    take; each tensor's layout is read once (this runs before every eager
+    launch)."""
+    if a.head_dim != DIM:
+        raise mismatch("head_dim", str(DIM), a.head_dim)
+    if a.pool_size != POOL:
+        raise mismatch("pool_size", str(POOL), a.pool_size)
+    kv_cache, tail = a.kv_cache, a.tail_kv_cache
     cache = kv_cache.stride()
     if (
         kv_cache.dtype is not torch.uint8
@@ -80,14 +92,14 @@ def update_unmet(
         or cache[0] % 4
         or kv_cache.data_ptr() % 4
     ):
-        return mismatch(
+        raise mismatch(
             "kv_cache",
             "uint8 [blocks, page, bytes], 4-byte aligned pages",
             layout(kv_cache),
         )
-    shape, stride = tail_kv_cache.shape, tail_kv_cache.stride()
+    shape, stride = tail.shape, tail.stride()
     if (
-        tail_kv_cache.dtype is not torch.bfloat16
+        tail.dtype is not torch.bfloat16
         or len(shape) != 4
         or shape[1] != 2
         or shape[2] % POOL
@@ -96,17 +108,18 @@ def update_unmet(
         or stride[2] != DIM
         or stride[1] % 4
         or stride[0] % 4
-        or tail_kv_cache.data_ptr() % 8
+        or tail.data_ptr() % 8
     ):
-        return mismatch(
+        raise mismatch(
             "tail_kv_cache",
             "bf16 [blocks, 2, ring, 128], ring a multiple of 4, 8-byte aligned rows",
-            layout(tail_kv_cache),
+            layout(tail),
         )
-    rows = key.shape
-    if key.dtype is not torch.bfloat16 or len(rows) != 3 or rows[2] != DIM:
-        return mismatch("key", "bf16 [requests, tokens, 128]", layout(key))
-    for name, t in (("key", key), ("slot_score", slot_score)):
+    rows = a.key.shape
+    if a.key.dtype is not torch.bfloat16 or len(rows) != 3 or rows[2] != DIM:
+        raise mismatch("key", "bf16 [requests, tokens, 128]", layout(a.key))
+    for name in ("key", "slot_score"):
+        t = getattr(a, name)
         stride = t.stride()
         if (
             t.dtype is not torch.bfloat16
@@ -116,27 +129,27 @@ def update_unmet(
             or stride[0] % 4
             or t.data_ptr() % 8
         ):
-            return mismatch(
+            raise mismatch(
                 name,
-                f"bf16 {list(rows)}, unit dim stride, 8-byte aligned rows",
+                "bf16 [requests, tokens, 128] as key, unit dim stride, "
+                "8-byte aligned rows",
                 layout(t),
             )
+    ape = a.ape
     if (
         ape.dtype is not torch.float32
         or ape.shape != (POOL, DIM)
         or ape.stride() != (DIM, 1)
         or ape.data_ptr() % 16
     ):
-        return mismatch("ape", "a contiguous fp32 [4, 128]", layout(ape))
+        raise mismatch("ape", "a contiguous fp32 [4, 128]", layout(ape))
     tokens = rows[:2]
-    for name, t in (
-        ("tail_slot_mapping", tail_slot_mapping),
-        ("slot_mapping", slot_mapping),
-        ("positions", positions),
-    ):
-        if t.dtype not in _INDEX_DTYPES or t.shape != tokens or not t.is_contiguous():
-            return mismatch(name, f"a contiguous int32/int64 {list(tokens)}", layout(t))
-    return None
+    for name in _INDICES:
+        t = getattr(a, name)
+        if t.dtype not in INDEX_TYPES or t.shape != tokens or not t.is_contiguous():
+            raise mismatch(
+                name, "a contiguous int32/int64 [requests, tokens]", layout(t)
+            )
 
 
 class _UpdateKernel:
@@ -299,7 +312,7 @@ def _bf16x4(words):
     return [a, b, c, d]
 
 
-class KpoolUpdateKernel(KpoolJitKernel["KpoolUpdateKernel.CompileKey"]):
+class KpoolUpdateKernel(KpoolJitKernel["KpoolUpdateKernel.CompileKey", UpdateArgs]):
     """The compiled ``_UpdateKernel`` executors, one per cache layout, scale
     format and index dtypes."""
 
@@ -316,6 +329,29 @@ class KpoolUpdateKernel(KpoolJitKernel["KpoolUpdateKernel.CompileKey"]):
         slots_dtype: torch.dtype
         positions_dtype: torch.dtype
 
+    def key_for(self, args: UpdateArgs) -> CompileKey:
+        check_tensors(args, _TENSORS)
+        _check_layouts(args)
+        kv, tail = args.kv_cache, args.tail_kv_cache
+        return self.key(
+            tail.shape[2],
+            kv.shape[1],
+            kv.stride(0),
+            tail.stride(0),
+            tail.stride(1),
+            bool(args.mx_scales),
+            bool(args.round_scale),
+            args.tail_slot_mapping.dtype,
+            args.slot_mapping.dtype,
+            args.positions.dtype,
+        )
+
+    def executor_args(self, args: UpdateArgs) -> tuple:
+        return args[:8]
+
+    def launches(self, args: UpdateArgs) -> bool:
+        return args.key.shape[0] > 0 and args.key.shape[1] > 0
+
     @staticmethod
     def kernel(compile_key: CompileKey) -> _UpdateKernel:
         return _UpdateKernel(compile_key)
@@ -326,7 +362,7 @@ class KpoolUpdateKernel(KpoolJitKernel["KpoolUpdateKernel.CompileKey"]):
 
         def indices(dtype):
             return make_fake_tensor(
-                _INDEX_DTYPES[dtype], rows, (cute.sym_int64(), 1), assumed_align=4
+                INDEX_TYPES[dtype], rows, (cute.sym_int64(), 1), assumed_align=4
             )
 
         def rows_of_dims():

@@ -1,11 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Drives the real patched ``sparse_attn_indexer_kpool`` step after step as
-serving does, on two models (``indexer_model.Side``) fed the same inputs:
-``stock`` (``SPECIALIZED_KPOOL = None``) and ``stage`` (a ``KpoolStage``), and
-compares them byte for byte after every step.
+serving does, on models (``model.Side``) fed the same inputs: ``stock``
+(``SPECIALIZED_KPOOL = None``) and ``stage`` (its ``KpoolStage`` in a
+``KpoolStages`` registry, as ``install()`` builds it), and compares them byte
+for byte after every step. With ``Config(stages=2)`` a second engine's model
+(``stage 2``: its own top-k buffer, stage and pool buffer, the same registry)
+runs too: per layer, between one stage's defer and its conversion, the other
+stage's whole layer step runs and its pool buffer is poisoned, so a stage
+that read the other's buffer (or hand-off) differs from stock.
 
-A step (``indexer_batches``) runs, per DSA layer: the step's inputs copied
+A step (``batches``) runs, per DSA layer: the step's inputs copied
 into the layer's static buffers, the indexer (stock prefill and mixed paths,
 the stage in planned steps), the index group's ready event, and the top-k
 conversion as the backend path consumes it. Modes: ``eager``; ``full``
@@ -13,7 +18,7 @@ conversion as the backend path consumes it. Modes: ``eager``; ``full``
 and model, captured after the size's first, eager step and replayed after);
 ``piecewise`` (breakable graphs per padded token count, the indexer and the
 conversion eager breaks rerun at replay in the step's forward context; other
-steps eager). DeepGEMM and the CUDA top-k are ``indexer_refs`` on both sides.
+steps eager). DeepGEMM and the CUDA top-k are ``refs`` on both sides.
 
 Compared after every step, per layer: the whole FP8 index cache and tail
 cache, the physical top-k rows and counts the conversion returned, and the
@@ -21,10 +26,13 @@ logical top-k rows wherever a consumer read them. Logical rows are poisoned
 before each layer; stage rows still all poison after the conversion were
 handed to the fused remap (no consumer read them): counted as ``fused``;
 ``deferred`` counts the layer-steps whose indexer left them unwritten (the
-stage's defer; declined by the remap, they are materialized and compared).
+stage's defer; declined by the remap, they are materialized and compared);
+``launches`` counts the stage's launches of each compiled kernel (0 on the
+CPU, where the rules refuse CPU tensors and every kernel runs its stock twin).
 """
 
 import contextlib
+import functools
 import os
 import random
 import secrets
@@ -33,10 +41,24 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 
 import torch
-from indexer_batches import BACKENDS, Builder, Geometry, Scheduler, Step, Workload
-from indexer_model import POISON, Side, build_stage, cpu_streams, mx_scales
-from indexer_refs import TIE_BREAK, references
 
+from tools.indexer.batches import (
+    BACKENDS,
+    Builder,
+    Geometry,
+    Scheduler,
+    Step,
+    Workload,
+)
+from tools.indexer.model import (
+    POISON,
+    Side,
+    build_stage,
+    count_launches,
+    cpu_streams,
+    mx_scales,
+)
+from tools.indexer.refs import TIE_BREAK, references
 from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import (
@@ -45,6 +67,7 @@ from vllm.forward_context import (
     override_forward_context,
 )
 from vllm.models.glm5next.nvidia import sparse_indexer
+from vllm.models.glm5next.nvidia.specialized_decode.install import KpoolStages
 
 POOL, D = 4, 128
 MODES = ("eager", "full", "piecewise")
@@ -69,12 +92,13 @@ def fuzz_seed() -> int:
 
 @dataclass
 class Config:
-    backend: str = "sm100"  # indexer_batches.BACKENDS
+    backend: str = "sm100"  # batches.BACKENDS
     mode: str = "eager"  # MODES
     geo: Geometry = field(default_factory=Geometry)
     work: Workload = field(default_factory=Workload)
     seed: int = 0
-    compile_kernels: bool = True  # False: the stage's kernels decline (CPU)
+    # Stage models beside stock: 2 (eager only) interleaves two engines'.
+    stages: int = 1
     # False (CPU): graph modes run each step eagerly in their forward context
     # (FULL: padded batch, capture-time metadata; piecewise: padded rows).
     capture: bool = True
@@ -101,6 +125,7 @@ class Report:
     max_context: int = 0
     requests: int = 0
     why_not_fused: list = field(default_factory=list)
+    launches: Counter = field(default_factory=Counter)  # per kernel class
 
     def line(self) -> str:
         s = self.steps
@@ -111,18 +136,26 @@ class Report:
             f"requests, contexts up to {self.max_context}, {s['full_replay']} "
             f"FULL and {s['piecewise_replay']} piecewise replays, {self.planned} "
             f"planned, {self.deferred} deferred and {self.fused} fused layer-steps, "
-            f"{self.compared} buffers "
-            f"compared, seed {self.seed}, {self.mismatches} mismatches"
+            f"kernel launches {dict(sorted(self.launches.items()))}, "
+            f"{self.compared} buffers compared, seed {self.seed}, "
+            f"{self.mismatches} mismatches"
         )
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "steps": dict(self.steps), "summary": self.line()}
+        return {
+            **asdict(self),
+            "steps": dict(self.steps),
+            "launches": dict(self.launches),
+            "summary": self.line(),
+        }
 
 
 class Run:
     """Both models of one configuration (see the module docstring)."""
 
     def __init__(self, cfg: Config, device):
+        if cfg.stages not in (1, 2) or (cfg.stages == 2 and cfg.mode != "eager"):
+            raise ValueError(f"stages {cfg.stages} in mode {cfg.mode}: 1, or 2 eager")
         self.cfg, self.device = cfg, torch.device(device)
         geo = cfg.geo
         self.backend = BACKENDS[cfg.backend]
@@ -136,10 +169,12 @@ class Run:
         self.gen = torch.Generator(self.device).manual_seed(cfg.seed)
         init = self._initial_state()
         self.source = SimpleNamespace(**init["source"], positions=None)
+        names = ("stock", "stage", "stage 2")[: 1 + cfg.stages]
         self.sides = [
             Side(name, geo, self.backend, self.prefixes, init, self.device)
-            for name in ("stock", "stage")
+            for name in names
         ]
+        self.registry = KpoolStages()  # SPECIALIZED_KPOOL of the stage sides
         for side in self.sides:
             side.hold = cfg.hold_cycles if self.device.type == "cuda" else 0
         self.builder = Builder(geo, self.backend, self.prefixes, self.device)
@@ -212,7 +247,7 @@ class Run:
         )
 
     def _run_side(self, side: Side, step: Step, how: str) -> None:
-        key, stage = (side.name, how, step.key), side.name == "stage"
+        key, stage = (side.name, how, step.key), side is self.sides[1]
         if how == "full":  # a replay must see the host values of its capture
             captured = self.hosts.setdefault(key, step.host)
             if captured != step.host:
@@ -256,31 +291,32 @@ class Run:
             self.stats["piecewise_replay"] += stage
 
     def _planned(self, step: Step) -> bool:
-        from vllm.models.glm5next.nvidia.specialized_decode import planned
-
         with override_forward_context(self.context(step, CUDAGraphMode.NONE)):
-            return planned()
+            return self.sides[1].stage.planned()
 
     def _compare(self, step: Step, index: int, report: Report) -> None:
-        a, b = self.sides
-        rows = step.tokens
+        a, rows = self.sides[0], step.tokens
         counts = self.backend.convert != "group_no_counts"
         false = torch.zeros((), dtype=torch.bool, device=self.device)
-        flags = []
-        for layer in range(self.cfg.geo.layers):
-            sa, sb = a.snap[layer], b.snap[layer]
-            tail_a, tail_b = (s.tail[layer].view(torch.int16) for s in (a, b))
-            flags += [
-                (a.kv[layer] != b.kv[layer]).any(),
-                (tail_a != tail_b).any(),
-                (sa.physical[:rows] != sb.physical[:rows]).any(),
-                (sa.counts[:rows] != sb.counts[:rows]).any() if counts else false,
-                (sa.logical[:rows] != sb.logical[:rows]).any(),
-                (sb.logical[:rows] == POISON).all(),
-                b.deferred[layer],
-            ]
+        flags, where = [], []
+        for b in self.sides[1:]:
+            for layer in range(self.cfg.geo.layers):
+                sa, sb = a.snap[layer], b.snap[layer]
+                tail_a, tail_b = (s.tail[layer].view(torch.int16) for s in (a, b))
+                where.append((b.name, layer))
+                flags += [
+                    (a.kv[layer] != b.kv[layer]).any(),
+                    (tail_a != tail_b).any(),
+                    (sa.physical[:rows] != sb.physical[:rows]).any(),
+                    (sa.counts[:rows] != sb.counts[:rows]).any() if counts else false,
+                    (sa.logical[:rows] != sb.logical[:rows]).any(),
+                    (sb.logical[:rows] == POISON).all(),
+                    b.deferred[layer],
+                ]
         values = torch.stack(flags).view(-1, 7).tolist()
-        for layer, (*diffs, unread, deferred) in enumerate(values):
+        for (side, layer), (*diffs, unread, deferred) in zip(
+            where, values, strict=True
+        ):
             report.fused += unread
             report.deferred += deferred
             report.compared += 4 + counts - unread
@@ -291,12 +327,13 @@ class Run:
                 if len(report.details) < self.cfg.max_reported:
                     report.details.append(
                         f"step {index} ({step.kind}, {step.layout} rows, "
-                        f"{step.rows} rows) layer {layer}: {name} differs"
+                        f"{step.rows} rows) {side} layer {layer}: {name} differs"
                     )
 
     def run(self) -> Report:
         cfg = self.cfg
         name = f"{cfg.backend}/{cfg.mode}/tail-{cfg.work.tail_split}"
+        name += "/2 stages" if cfg.stages == 2 else ""
         report = Report(name, cfg.seed, cfg.geo.layers, steps=self.stats)
         with contextlib.ExitStack() as stack:
             stack.enter_context(mx_scales(self.backend.mx))
@@ -306,19 +343,31 @@ class Run:
             else:  # after the initial state, made on the default stream
                 self.stream.wait_stream(torch.cuda.current_stream())
                 stack.enter_context(torch.cuda.stream(self.stream))
-            stage, undo = build_stage(
-                self.sides[1].attentions, cfg.geo.capacity, self.device,
-                compile_kernels=cfg.compile_kernels,
-            )  # fmt: skip
-            stack.callback(undo)
-            self.sides[1].stage = stage
-            report.why_not_fused = list(getattr(stage, "why_not_fused", []))
+            self.build_stages()
+            stack.enter_context(count_launches(report.launches))
+            for side in self.sides[1:]:
+                report.why_not_fused += side.stage.why_not_fused
             index = 0
             while self.sched.decode_steps < cfg.work.decode_steps:
                 self.step(index, report)
                 index += 1
         report.requests = self.sched.rids
         return report
+
+    def build_stages(self) -> None:
+        """Each stage side's stage, in the run's registry."""
+        for side in self.sides[1:]:
+            side.stage = build_stage(
+                side.attentions, self.cfg.geo.capacity, self.device, self.registry
+            )
+            side.kpool = self.registry
+
+    def _interleave(self, other: Side, step: Step, layer: int) -> None:
+        """Between a stage's defer and its conversion of ``layer``: the other
+        stage's whole step of the layer, then its pool buffer poisoned."""
+        with other.active():
+            other.forward_layer(self.source, layer, step.rows)
+        other.stage.pool_buffer.fill_(POISON)
 
     def step(self, index: int, report: Report) -> None:
         batch = self.sched.schedule()
@@ -339,9 +388,17 @@ class Run:
         ends = [i.start + i.q_len for i in batch.items]
         report.max_context = max(report.max_context, *ends)
         report.planned += self._planned(step)
-        for side in self.sides:
+        sides = self.sides
+        if self.cfg.stages == 2:  # each step the other stage leads
+            lead, other = sides[1 + index % 2], sides[2 - index % 2]
+            lead.between = functools.partial(self._interleave, other, step)
+            sides = sides[:1] + [lead]
+        for side in sides:
             with side.active():
                 self._run_side(side, step, how)
+        if self.cfg.stages == 2:
+            lead.between = None
+            other.forwards += 1
         self._compare(step, index, report)
         self.sched.commit(batch)
 

@@ -1,26 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""One model of the indexer step driver (``indexer_steps``): GLM-5-Next's
+"""One model of the indexer step driver (``tools.indexer.steps``): GLM-5-Next's
 DSA layers reduced to what the patched ``sparse_attn_indexer_kpool`` and the
 sparse MLA top-k conversion touch, and the one function that knows the stage
 API (``build_stage``).
 
 Per layer a ``Side`` holds the FP8 index cache, the tail cache, a real
 ``SparseMLAIndexGroup`` (its stock side stream and events on CUDA), the
-objects ``KpoolStage`` reads (``mla_attn.mla_attn.impl``, ``indexer``), and
-snapshots of what the step's consumer read and got. All layers share one
-logical top-k buffer, as vLLM's models do.
+objects ``KpoolStage`` reads (``mla_attn.mla_attn.impl``: the stock sparse
+MLA impl class of the backend path, ``indexer``), and snapshots of what the
+step's consumer read and got. All layers share one logical top-k buffer, as
+vLLM's models do.
 """
 
 import contextlib
 import importlib
-import inspect
 import sys
 from types import SimpleNamespace
 
 import torch
-from indexer_batches import Geometry
 
+from tools.indexer.batches import Geometry
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
@@ -42,47 +42,59 @@ POOL, D = 4, 128
 # Written over the logical rows, the group's outputs and the snapshots before
 # each layer: no result is ever -7.
 POISON = -7
+# The stage's modules that bind ``mqa_logits_use_mx_scales`` at import.
+STAGE_MODULES = ("kpool", "warmup", "install")
 
 
-def build_stage(attentions, max_rows: int, device, *, compile_kernels: bool):
-    """The stage on ``attentions`` as the model build and the JIT warmup make
-    it, with planned() told it is warmed up. ``compile_kernels=False`` (CPU)
-    ends the warmup without compiling anything, so each kernel declines and
-    the stage routes to its stock twin. Returns (stage, undo)."""
-    from vllm.models.glm5next.nvidia import specialized_decode as sd
-    from vllm.models.glm5next.nvidia.specialized_decode import kpool
+def build_stage(attentions, max_rows: int, device, stages):
+    """The stage on ``attentions`` as ``install()`` and the JIT warmup make
+    it: a ``KpoolStage`` added to ``stages`` (the process's ``KpoolStages``
+    registry, which the caller sets as ``sparse_indexer.SPECIALIZED_KPOOL``)
+    by the indexer top-k buffer, every kernel variant its warmup derives
+    compiled (``KpoolWarmup.compile``; on the CPU the rules refuse CPU
+    tensors, so nothing compiles and each kernel routes to its stock twin),
+    then ``warmed``. The self-check is left to its own test."""
+    from vllm.models.glm5next.nvidia.specialized_decode.stage import KpoolStage
+    from vllm.models.glm5next.nvidia.specialized_decode.warmup import KpoolWarmup
 
-    stage = kpool.KpoolStage(attentions, max_rows, device)
-    launch = sys.modules.get(f"{sd.__name__}.launch")
-    flags = ((launch, "_warmed_up"), (kpool, "_frozen"))  # compile guards
-    saved = [(m, n, getattr(m, n)) for m, n in flags if hasattr(m, n)]
-    if compile_kernels:
-        extra = {}
-        if "max_rows" in inspect.signature(stage.warmup).parameters:
-            extra["max_rows"] = max_rows
-        stage.warmup(attentions, positions_dtype=torch.int64, **extra)
-    elif launch is not None and hasattr(launch, "warming_up"):
-        with launch.warming_up():
-            pass
-    if hasattr(kpool, "freeze"):
-        kpool.freeze()
-    previous = sd._plan
-    sd._plan = sd.plan_for(attentions, max_rows)
-    sd._plan.warmed = True
+    stage = KpoolStage(attentions, max_rows, device)
+    stages.add(stage, attentions[0].indexer.topk_indices_buffer)
+    KpoolWarmup(stage, attentions, self_check="off").compile()
+    stage.warmed = True
+    return stage
 
-    def undo() -> None:
-        sd._plan = previous
-        for module, name, value in saved:
-            setattr(module, name, value)
 
-    return stage, undo
+@contextlib.contextmanager
+def count_launches(counter):
+    """Counts, per kernel class, the stage's launches of compiled kernels
+    (``KpoolJitKernel.launch``, which ``run_if_ready`` and ``FusedRemap``
+    call) into ``counter``: a stage whose keys drifted from its warmup's
+    routes every input to stock without a word, and shows here as 0."""
+    from vllm.models.glm5next.nvidia.specialized_decode.warmup import KERNELS
+
+    for kernel in KERNELS:
+        name = type(kernel).__name__
+
+        def launch(executor, args, launch=kernel.launch, name=name):
+            counter[name] += 1
+            return launch(executor, args)
+
+        kernel.launch = launch
+    try:
+        yield
+    finally:
+        for kernel in KERNELS:
+            del kernel.launch
 
 
 @contextlib.contextmanager
 def mx_scales(flag: bool):
     """Force ``mqa_logits_use_mx_scales()`` in every vLLM module that binds
     it (the stage's modules are imported first, so they are among them)."""
-    importlib.import_module("vllm.models.glm5next.nvidia.specialized_decode.kpool")
+    for name in STAGE_MODULES:
+        importlib.import_module(
+            f"vllm.models.glm5next.nvidia.specialized_decode.{name}"
+        )
     saved = {
         module: module.mqa_logits_use_mx_scales
         for name, module in list(sys.modules.items())
@@ -115,15 +127,13 @@ class CpuStream:
 
 @contextlib.contextmanager
 def cpu_streams():
-    """``current_stream`` of the index group and the stage: ``CpuStream``."""
-    from vllm.models.glm5next.nvidia.specialized_decode import kpool
+    """``current_stream`` of the index group and the fused remap:
+    ``CpuStream``."""
+    from vllm.models.glm5next.nvidia.specialized_decode import fused_remap
 
-    saved = [
-        (m, m.current_stream)
-        for m in (index_group_module, kpool)
-        if hasattr(m, "current_stream")
-    ]
-    for module, _ in saved:
+    modules = (index_group_module, fused_remap)
+    saved = [(module, module.current_stream) for module in modules]
+    for module in modules:
         module.current_stream = CpuStream
     try:
         yield
@@ -132,49 +142,37 @@ def cpu_streams():
             module.current_stream = fn
 
 
-class _Impl:
-    """What the stage reads or sets of a sparse MLA impl: the class flags it
-    inherits from ``SparseMLACommonImpl`` (patch 0005 adds
-    ``convert_decode_through_index_group``) and, per backend below, the stock
-    ``forward_mqa`` (the stage identifies the backend by it)."""
-
-
-for _flag in ("group_conversion_decode_only", "convert_decode_through_index_group"):
-    if hasattr(SparseMLACommonImpl, _flag):
-        setattr(_Impl, _flag, getattr(SparseMLACommonImpl, _flag))
-
-
-class Sm100Impl(_Impl):
-    """SM100 (FLASHINFER_MLA_SPARSE): converts through the index group."""
-
-    forward_mqa = SparseMLACommonImpl.forward_mqa
-
-
-class FlashMlaImpl(_Impl):
-    """FLASHMLA_SPARSE (FP8): decode steps through the group, no counts."""
-
-    forward_mqa = FlashMLASparseImpl.forward_mqa
-
-
-class FlashInferSm90Impl(_Impl):
-    """FLASHINFER_MLA_SPARSE_SM90: converts the logical rows itself, on the
-    compute stream; decode-only steps through the group when its
-    ``convert_decode_through_index_group`` is set (patch 0005)."""
-
-    forward_mqa = FlashInferMLASparseSM90Impl.forward_mqa
-
-
+# The stock sparse MLA impl of each backend path, by its conversion (the
+# stage identifies a backend by its class's ``forward_mqa`` and reads the
+# flags patch 0005 adds to ``SparseMLACommonImpl``): SM100's FlashInfer
+# (the shared forward_mqa; through the index group, counts), FLASHMLA_SPARSE
+# FP8 (decode steps through the group, no counts) and FlashInfer SM90 (the
+# logical rows on the compute stream; decode-only steps through the group
+# once its ``convert_decode_through_index_group`` is set).
 IMPLS = {
-    "group": Sm100Impl,
-    "group_no_counts": FlashMlaImpl,
-    "compute": FlashInferSm90Impl,
+    "group": SparseMLACommonImpl,
+    "group_no_counts": FlashMLASparseImpl,
+    "compute": FlashInferMLASparseSM90Impl,
 }
 
 
-def _group(buffer, geo: Geometry, device) -> SparseMLAIndexGroup:
-    """A DSA layer's index group as each GLM-5-Next impl's own
-    ``SparseMLAIndexGroupBuilder`` sizes it: a row per logical row, plus one."""
+def sparse_mla_impl(convert: str, group):
+    """The stock impl of the backend path that converts as ``convert`` says
+    (``IMPLS``), unconstructed (no method of it is called), with what the
+    stage and the conversion read of it: its index group."""
+    cls = IMPLS[convert]
+    impl = cls.__new__(cls)
+    vars(impl).update(index_group=group, index_group_index=0, dcp_world_size=1)
+    return impl
+
+
+def index_group(logical, device, physical_rows=None) -> SparseMLAIndexGroup:
+    """A DSA layer's index group over the ``logical`` top-k rows, as each
+    GLM-5-Next impl's own ``SparseMLAIndexGroupBuilder`` sizes it (a physical
+    row per logical row, plus one, unless ``physical_rows``); the stock side
+    stream and events on CUDA, ``CpuStream`` on the CPU."""
     cuda = torch.device(device).type == "cuda"
+    rows = logical.shape[0] + 1 if physical_rows is None else physical_rows
 
     def event():
         return index_group_module._create_event() if cuda else CpuStream()
@@ -183,9 +181,9 @@ def _group(buffer, geo: Geometry, device) -> SparseMLAIndexGroup:
         return torch.full(shape, POISON, dtype=torch.int32, device=device)
 
     group = SparseMLAIndexGroup(
-        logical_topk_indices=buffer,
-        physical_topk_indices=ints(buffer.shape[0] + 1, buffer.shape[1]),
-        valid_topk_counts=ints(buffer.shape[0] + 1),
+        logical_topk_indices=logical,
+        physical_topk_indices=ints(rows, logical.shape[1]),
+        valid_topk_counts=ints(rows),
         side_stream=index_group_module._create_side_stream(device)
         if cuda
         else CpuStream(),
@@ -197,13 +195,36 @@ def _group(buffer, geo: Geometry, device) -> SparseMLAIndexGroup:
     return group
 
 
+def dsa_layer(prefix: str, impl, buffer, topk: int, kv=None, tail=None, mla_kv=None):
+    """A DSA layer (``Glm5NextMLAAttention``) as the stage and its warmup read
+    it: ``prefix`` its attention's (``model.layers.N.self_attn``), the
+    indexer's caches, top-k buffer and width, the sparse MLA impl and its KV
+    cache (``[blocks, block size, row]``, for the remap's block layout)."""
+    return SimpleNamespace(
+        indexer=SimpleNamespace(
+            k_cache=SimpleNamespace(prefix=f"{prefix}.indexer.k_cache", kv_cache=kv),
+            tail_cache=SimpleNamespace(
+                prefix=f"{prefix}.indexer.tail_cache", kv_cache=tail
+            ),
+            topk_indices_buffer=buffer,
+            topk_tokens=topk,
+            scale_fmt="ue8m0",
+        ),
+        mla_attn=SimpleNamespace(mla_attn=SimpleNamespace(impl=impl, kv_cache=mla_kv)),
+    )
+
+
 class Side:
     """One model (see the module docstring). ``init``: the initial caches,
     copied, and the per-layer input shapes."""
 
     def __init__(self, name: str, geo: Geometry, backend, prefixes, init, device):
         self.name, self.geo, self.backend, self.prefixes = name, geo, backend, prefixes
-        self.stage = None
+        self.stage = None  # its KpoolStage (build_stage)
+        self.kpool = None  # its SPECIALIZED_KPOOL: None (stock) or the registry
+        # Called between the indexer and the conversion of each layer (the
+        # two-stage run interleaves the other stage's layer there).
+        self.between = None
         self.record = True  # keep snapshots for the comparison (not when timing)
         self.hold = 0  # GPU cycles each stream is held back before a conversion
         t, w = geo.max_tokens, geo.width
@@ -228,7 +249,7 @@ class Side:
             SimpleNamespace(logical=ints(t, w), physical=ints(t, w), counts=ints(t))
             for _ in range(geo.layers)
         ]
-        self.groups = [_group(self.buffer, geo, device) for _ in prefixes]
+        self.groups = [index_group(self.buffer, device) for _ in prefixes]
         self.attentions, self.strides = [], []
         for layer, (k_prefix, tail_prefix, _) in enumerate(prefixes):
             # MLA rows are never read here: only the block layout matters.
@@ -236,46 +257,47 @@ class Side:
                 geo.num_blocks, geo.mla_block_rows, 16, dtype=torch.uint8, device=device
             )[:, : geo.block]
             self.strides.append(flat_kv_row_view(rows, geo.block)[1])
-            impl = IMPLS[backend.convert]()
-            vars(impl).update(
-                index_group=self.groups[layer], index_group_index=0, dcp_world_size=1
-            )
-            indexer = SimpleNamespace(
-                k_cache=SimpleNamespace(prefix=k_prefix, kv_cache=self.kv[layer]),
-                tail_cache=SimpleNamespace(
-                    prefix=tail_prefix, kv_cache=self.tail[layer]
-                ),
-                topk_indices_buffer=self.buffer,
-                topk_tokens=geo.topk,
-                scale_fmt="ue8m0",
-            )
-            mla = SimpleNamespace(mla_attn=SimpleNamespace(impl=impl, kv_cache=rows))
-            self.attentions.append(SimpleNamespace(mla_attn=mla, indexer=indexer))
+            impl = sparse_mla_impl(backend.convert, self.groups[layer])
+            attn = dsa_layer(
+                k_prefix.removesuffix(".indexer.k_cache"), impl, self.buffer,
+                geo.topk, self.kv[layer], self.tail[layer], rows,
+            )  # fmt: skip
+            assert attn.indexer.tail_cache.prefix == tail_prefix
+            self.attentions.append(attn)
 
     @contextlib.contextmanager
     def active(self):
-        """This model's ``SPECIALIZED_KPOOL`` (None: stock) for the block."""
-        sparse_indexer.SPECIALIZED_KPOOL = self.stage
+        """This model's ``SPECIALIZED_KPOOL`` for the block (None: stock;
+        the stages' registry, which dispatches by the top-k buffer)."""
+        previous, sparse_indexer.SPECIALIZED_KPOOL = (
+            sparse_indexer.SPECIALIZED_KPOOL,
+            self.kpool,
+        )
         try:
             yield
         finally:
-            sparse_indexer.SPECIALIZED_KPOOL = None
+            sparse_indexer.SPECIALIZED_KPOOL = previous
 
     def forward(self, source, rows: int) -> None:
         """One forward over the DSA layers; graph-capturable but for the
         indexer and ``consume`` (eager breaks under breakable graphs)."""
         for layer in range(len(self.prefixes)):
-            x = self.inputs[layer]
-            for name, buffer in vars(x).items():
-                buffer[:rows].copy_(getattr(source, name)[layer, :rows])
-            self.buffer[:rows].fill_(POISON)
-            self.groups[layer].physical_topk_indices.fill_(POISON)
-            self.groups[layer].valid_topk_counts.fill_(POISON)
-            self.layer_step(layer, source.positions, rows)
+            self.forward_layer(source, layer, rows)
         self.forwards += 1  # the model's work after the last break (its head)
 
+    def forward_layer(self, source, layer: int, rows: int) -> None:
+        """The layer's inputs copied in, its outputs poisoned, its step."""
+        x = self.inputs[layer]
+        for name, buffer in vars(x).items():
+            buffer[:rows].copy_(getattr(source, name)[layer, :rows])
+        self.buffer[:rows].fill_(POISON)
+        self.groups[layer].physical_topk_indices.fill_(POISON)
+        self.groups[layer].valid_topk_counts.fill_(POISON)
+        self.layer_step(layer, source.positions, rows)
+
     def layer_step(self, layer: int, positions, rows: int) -> None:
-        """The layer's indexer, its ready event, then the MLA's conversion."""
+        """The layer's indexer, its ready event, then the MLA's conversion
+        (the timed unit of ``tools.indexer.timing``)."""
         geo, x = self.geo, self.inputs[layer]
         k_prefix, tail_prefix, _ = self.prefixes[layer]
         sparse_indexer.sparse_attn_indexer_kpool(
@@ -286,8 +308,10 @@ class Side:
             self.tail[layer], tail_prefix, "auto", 0, 1, 1,
         )  # fmt: skip
         self.groups[layer].set_logical_topk_ready(0)
-        # The model's work between the two breaks.
-        self.deferred[layer] = (self.buffer[:rows] == POISON).all()
+        if self.record:  # the driver's own check: not in the timed step
+            self.deferred[layer] = (self.buffer[:rows] == POISON).all()
+        if self.between is not None:
+            self.between(layer)
         consume(self, layer)
 
     def convert(self, layer: int, logical, mla):

@@ -10,16 +10,16 @@ not; a random number of drafts accepted, so positions rewind), cross pool,
 block and top-k boundaries, and finish, freeing their blocks for reuse.
 
 ``Builder``: the indexer metadata (``DeepseekV32IndexerMetadata``, the tail
-cache's, and the MLA fields the top-k conversion reads) in persistent device
-buffers, so captured CUDA graphs read each step's values. Decode rows per
-backend path: ``varlen`` (SM100, one row per token), ``native`` (SM90,
-uniform ``next_n`` in 1, 2, 4), ``flat`` (SM90 flattening: ``next_n`` 3,
-adaptive verification), ``padded`` (SM90 native ``[B, max q_len]`` rows with
-``requires_padding``; vLLM 0.33.0 reaches it through zero-length graph
-padding, here real non-uniform requests fill it). Decode-class requests
-(``q_len <= next_n``, short prefill extends included) come first. FULL graph
-batches pad with null-block requests of the same ``q_len`` and capture-time
-``max_seq_len = max_model_len``. The tail metadata splits as
+cache's, and the sparse MLA layers' ``SparseMLACommonMetadata``) in
+persistent device buffers, so captured CUDA graphs read each step's values.
+Decode rows per backend path: ``varlen`` (SM100, one row per token),
+``native`` (SM90, uniform ``next_n`` in 1, 2, 4), ``flat`` (SM90 flattening:
+``next_n`` 3, adaptive verification), ``padded`` (SM90 native
+``[B, max q_len]`` rows with ``requires_padding``; vLLM 0.33.0 reaches it
+through zero-length graph padding, here real non-uniform requests fill it).
+Decode-class requests (``q_len <= next_n``, short prefill extends included)
+come first. FULL graph batches pad with null-block requests of the same
+``q_len`` and capture-time ``max_seq_len = max_model_len``. The tail metadata splits as
 ``KpoolTailMetadataBuilder`` does (``tail_split="stock"``: threshold 1, so
 speculative steps count as prefills there) or as the indexer's
 (``"indexer"``).
@@ -27,10 +27,12 @@ speculative steps count as prefills there) or as the indexer's
 
 import random
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
+from vllm.model_executor.layers.attention.sparse_mla_attention import (
+    SparseMLACommonMetadata,
+)
 from vllm.v1.attention.backends.mla.indexer import (
     DeepSeekV32IndexerDecodeMetadata,
     DeepseekV32IndexerMetadata,
@@ -245,7 +247,7 @@ class Step:
     (indexer, tail and MLA entries), ``positions`` of its ``rows``."""
 
     metadata: dict
-    mla: SimpleNamespace
+    mla: SparseMLACommonMetadata
     positions: torch.Tensor
     rows: int  # hidden-state rows (padded in graph modes)
     tokens: int  # scheduled tokens the metadata covers
@@ -365,9 +367,14 @@ class Builder:
             num_prefills=len(items) - tail_decodes,
             num_prefill_tokens=sum(q_lens[tail_decodes:]), positions=pos_view,
         )  # fmt: skip
-        mla = SimpleNamespace(
-            req_id_per_token=self.req_ids, block_table=bt, block_size=geo.block,
-            num_actual_tokens=tokens, num_decode_tokens=indexer.num_decode_tokens,
+        mla = SparseMLACommonMetadata(
+            num_reqs=len(items), max_query_len=max(q_lens), max_seq_len=max_seq,
+            num_actual_tokens=tokens, query_start_loc=qsl,
+            slot_mapping=self.slots[:tokens], num_decodes=num_decodes,
+            num_decode_tokens=indexer.num_decode_tokens,
+            num_prefills=indexer.num_prefills, block_table=bt,
+            req_id_per_token=self.req_ids, block_size=geo.block,
+            topk_tokens=geo.topk,
         )  # fmt: skip
         metadata = {}
         for k_prefix, tail_prefix, mla_prefix in self.prefixes:

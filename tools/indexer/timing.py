@@ -12,9 +12,11 @@ past the top-k.
 - ``graph``: µs per step of ``graph_steps`` steps captured in one FULL graph,
   median over ``replays`` replays.
 
-DeepGEMM's logits and the top-k are precomputed (``indexer_refs.Fixed``: a
-stored logits tensor, a copy of stored ids), the same on both sides, so the
-figures hold the indexer's own work, not the torch references'.
+DeepGEMM's logits and the top-k are precomputed (``refs.Fixed``: a stored
+logits tensor, a copy of stored ids), the same on both sides, so the figures
+hold the indexer's own work, not the torch references'. The driver's own
+checks (the deferred-rows flag, the snapshots) are off while timing
+(``Side.record``).
 """
 
 import contextlib
@@ -24,11 +26,11 @@ import statistics
 import time
 
 import torch
-from indexer_batches import Batch, Request, Scheduled
-from indexer_model import build_stage, mx_scales
-from indexer_refs import Fixed, references, select_topk
-from indexer_steps import Config, Run
 
+from tools.indexer.batches import Batch, Request, Scheduled
+from tools.indexer.model import mx_scales
+from tools.indexer.refs import Fixed, references, select_topk
+from tools.indexer.steps import Config, Run
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import override_forward_context
 from vllm.models.glm5next.nvidia import sparse_indexer
@@ -127,16 +129,11 @@ def time_layers(
     cfg = cfg or Config(backend=backend, seed=seed)
     run = Run(cfg, "cuda")
     rng, rows_out = random.Random(seed), []
-    stage_side = run.sides[1]
     with contextlib.ExitStack() as stack:
         stack.enter_context(mx_scales(run.backend.mx))
         run.stream.wait_stream(torch.cuda.current_stream())
         stack.enter_context(torch.cuda.stream(run.stream))
-        stage, undo = build_stage(
-            stage_side.attentions, cfg.geo.capacity, run.device, compile_kernels=True
-        )
-        stack.callback(undo)
-        stage_side.stage = stage
+        run.build_stages()
         for requests, next_n in batches:
             if requests * next_n > cfg.geo.capacity:
                 continue

@@ -1,0 +1,187 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The deployment's choice: ``additional_config`` (and the environment) read
+into a ``DecodeConfig``, and what a deployment must have to run the
+``dsa_kpool`` stage.
+
+- ``decode_backend``: ``"auto"`` (default) runs the stock decode,
+  ``"latency_specialized"`` the stages;
+- ``specialized_decode_skip``: stage names to leave out;
+- ``specialized_decode_self_check``: ``"on"`` / ``"off"`` / ``"strict"``,
+  overridden by ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK``.
+
+A key that looks like one of these but is not (``decode-backend``,
+``specialized_decode_skips``) warns with the nearest valid key; a bad value
+raises a ``ValueError`` that echoes it and says where it came from. vLLM is
+imported inside the functions.
+"""
+
+import difflib
+import os
+from dataclasses import dataclass
+
+from vllm.logger import init_logger
+from vllm.models.glm5next.nvidia.specialized_decode.constants import (
+    ARCHITECTURES,
+    BACKEND,
+    BACKEND_KEY,
+    BACKENDS,
+    CONFIG_KEYS,
+    DIM,
+    POOL,
+    SELF_CHECK_ENV,
+    SELF_CHECK_KEY,
+    SELF_CHECK_MODES,
+    SKIP_KEY,
+    STAGES,
+)
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    # The stages this deployment runs, in STAGES order.
+    stages: tuple[str, ...]
+    # The warmup self-check: "on", "off" or "strict".
+    self_check: str = "on"
+
+
+def specialized_decode_config(vllm_config) -> DecodeConfig | None:
+    """The specialized decode settings, or None for the stock decode.
+
+    Raises ValueError for a bad value (echoed, with its source) or, when a
+    stage is on, for a deployment missing any requirement (all listed at
+    once, each with the setting that changes it).
+    """
+    extra = vllm_config.additional_config
+    extra = extra if isinstance(extra, dict) else {}
+    warn_unknown_keys(extra)
+    backend = extra.get(BACKEND_KEY, "auto")
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"additional_config {BACKEND_KEY}={backend!r}: expected one of "
+            f"{list(BACKENDS)}"
+        )
+    if backend == "auto":
+        return None
+    skip = extra.get(SKIP_KEY, [])
+    if not isinstance(skip, list | tuple) or not all(name in STAGES for name in skip):
+        raise ValueError(
+            f"additional_config {SKIP_KEY}={skip!r}: expected a list of stage "
+            f"names out of {list(STAGES)}"
+        )
+    stages = tuple(name for name in STAGES if name not in skip)
+    self_check = _self_check_mode(extra)
+    if stages:
+        missing = unsupported(vllm_config)
+        if missing:
+            raise ValueError(
+                f"{BACKEND_KEY}={BACKEND} needs: {'; '.join(missing)}. Or leave "
+                f"the stages out with additional_config {SKIP_KEY}="
+                f"{list(stages)}, or use {BACKEND_KEY}=auto."
+            )
+    return DecodeConfig(stages=stages, self_check=self_check)
+
+
+def warn_unknown_keys(extra: dict) -> None:
+    """Warns for each key of ``extra`` that reads like a specialized decode
+    setting (a ``decode``/``specialized``/``specialised`` word, or close to
+    a valid key) but is none, naming the nearest valid key."""
+    for key in extra:
+        if key in CONFIG_KEYS or not isinstance(key, str):
+            continue
+        normal = key.lower().replace("-", "_").replace("specialised", "specialized")
+        near = difflib.get_close_matches(normal, CONFIG_KEYS, n=1, cutoff=0.6)
+        if near or "decode" in normal or "specialized" in normal:
+            logger.warning(
+                "additional_config key %r is not a GLM-5-Next specialized "
+                "decode setting and is ignored%s (valid keys: %s).",
+                key,
+                f"; did you mean {near[0]!r}?" if near else "",
+                ", ".join(CONFIG_KEYS),
+            )
+
+
+def _self_check_mode(extra: dict) -> str:
+    if os.environ.get(SELF_CHECK_ENV):
+        mode, source = os.environ[SELF_CHECK_ENV], f"environment {SELF_CHECK_ENV}"
+    else:
+        mode, source = extra.get(SELF_CHECK_KEY, "on"), "additional_config"
+        source = f"{source} {SELF_CHECK_KEY}"
+    if mode not in SELF_CHECK_MODES:
+        raise ValueError(f"{source}={mode!r}: expected one of {list(SELF_CHECK_MODES)}")
+    return mode
+
+
+def unsupported(vllm_config) -> list[str]:
+    """Every requirement of the ``dsa_kpool`` stage this deployment misses,
+    each naming the setting that changes it."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    model = vllm_config.model_config
+    text = model.hf_text_config
+    kpool = getattr(text, "index_kpool", None)
+    head_dim = getattr(text, "index_head_dim", None)
+    parallel = vllm_config.parallel_config
+    compilation = vllm_config.compilation_config
+    cudagraph_mode = compilation.cudagraph_mode
+    requirements = {
+        # The kernels are compiled for sm_90a and the SM100 family.
+        "an NVIDIA SM90 (Hopper) or SM100-family (Blackwell) GPU": (
+            current_platform.is_cuda()
+            and (
+                current_platform.is_device_capability(90)
+                or current_platform.is_device_capability_family(100)
+            )
+        ),
+        f"the GLM-5-Next model (architectures {' or '.join(ARCHITECTURES)}; "
+        f"found {list(model.architectures or ())})": bool(
+            set(model.architectures or ()) & set(ARCHITECTURES)
+        ),
+        f"the kpool sparse indexer of the model config: index_kpool {POOL} and "
+        f"index_head_dim {DIM} with an index_topk (found index_topk "
+        f"{getattr(text, 'index_topk', None)}, index_kpool {kpool}, "
+        f"index_head_dim {head_dim})": (
+            getattr(text, "index_topk", None) is not None
+            and kpool == POOL
+            and head_dim == DIM
+        ),
+        # A deferred top-k skips the stock DCP merge and filtered conversion.
+        "no decode context parallelism (--decode-context-parallel-size 1; "
+        f"found {parallel.decode_context_parallel_size})": (
+            parallel.decode_context_parallel_size == 1
+        ),
+        # Micro-batches would interleave the layers' hand-offs.
+        "no micro-batching (leave out --enable-dbo and ubatch_size)": (
+            not parallel.use_ubatching
+        ),
+        # The routing is host code run at each eager step and capture; a
+        # compiled forward would trace one decision into every step.
+        "no torch.compile of the model (compilation_config mode NONE, "
+        f"e.g. -O0; found {compilation.mode!s})": (
+            compilation.mode == CompilationMode.NONE
+        ),
+        # A FULL graph replays its capture's routing, which must be decode's.
+        "no FULL CUDA graphs of mixed prefill-decode batches (compilation_config "
+        f"cudagraph_mode FULL_DECODE_ONLY or PIECEWISE; found {cudagraph_mode!s})": (
+            cudagraph_mode is None or cudagraph_mode.mixed_mode() != CUDAGraphMode.FULL
+        ),
+        # Decode steps and graph captures must never compile a kernel.
+        "JIT kernel warmup (kernel_config enable_jit_warmup=True)": bool(
+            vllm_config.kernel_config.enable_jit_warmup
+        ),
+    }
+    return [need for need, ok in requirements.items() if not ok]
+
+
+def decode_capacity(vllm_config) -> int:
+    """Decode rows of one step: max_num_seqs x (1 + speculative tokens), at
+    most max_num_batched_tokens (as the sparse MLA index groups are sized)."""
+    scheduler = vllm_config.scheduler_config
+    spec = vllm_config.speculative_config
+    num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
+    return min(
+        scheduler.max_num_batched_tokens, scheduler.max_num_seqs * (1 + num_spec)
+    )

@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The fused expand + remap as a sparse MLA index group's conversion: which
+groups can take it, and the conversion itself (``FusedRemap``)."""
+
+from typing import NamedTuple
+
+import torch
+
+from vllm.forward_context import in_piecewise_cudagraph
+from vllm.models.glm5next.nvidia.specialized_decode.constants import POOL
+from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import (
+    REMAP,
+    RemapArgs,
+)
+from vllm.utils.torch_utils import current_stream
+from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
+
+# The decode paths (``forward_mqa``) that convert the top-k of decode-only
+# steps through the index group, where a deferred top-k is expanded: the
+# shared sparse MLA decode (FlashInfer SM100; FlashAttention's with patch
+# 0005's flag), FlashMLA's, and FlashInfer SM90's with patch 0005's flag.
+# Any other forward_mqa may read the logical rows a deferral leaves unset.
+GROUP_CONVERTING_DECODES = frozenset(
+    {
+        (
+            "vllm.model_executor.layers.attention.sparse_mla_attention",
+            "SparseMLACommonImpl.forward_mqa",
+        ),
+        (
+            "vllm.v1.attention.backends.mla.flashmla_sparse",
+            "FlashMLASparseImpl.forward_mqa",
+        ),
+        (
+            "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90",
+            "FlashInferMLASparseSM90Impl.forward_mqa",
+        ),
+    }
+)
+
+
+def converts_through_group(impl) -> bool:
+    """Whether ``impl``'s decode-only steps convert the top-k through its
+    index group once ``convert_decode_through_index_group`` is set (patch
+    0005), by the identity of its ``forward_mqa``."""
+    forward = getattr(type(impl), "forward_mqa", None)
+    name = (
+        getattr(forward, "__module__", None),
+        getattr(forward, "__qualname__", None),
+    )
+    return name in GROUP_CONVERTING_DECODES and hasattr(
+        type(impl), "convert_decode_through_index_group"
+    )
+
+
+def why_not_fusable(impl, group) -> str | None:
+    """Why ``group`` (of ``impl``) cannot convert through a ``FusedRemap``,
+    or None."""
+    requirements = (
+        (type(group) is SparseMLAIndexGroup, "not a plain SparseMLAIndexGroup"),
+        (getattr(group, "has_indexer", False), "no indexer"),
+        (getattr(group, "num_layers", 0) == 1, "more than one layer"),
+        (getattr(impl, "dcp_world_size", 1) == 1, "decode context parallel"),
+        (
+            converts_through_group(impl),
+            f"{type(impl).__name__} converts the logical top-k rows itself",
+        ),
+    )
+    return next((why for ok, why in requirements if not ok), None)
+
+
+def remap_layout(attn) -> tuple[int, int] | None:
+    """(block size, rows between blocks) of the MLA KV cache a DSA layer's
+    index group converts for, as ``flat_kv_row_view`` reads it; None if the
+    cache is not bound as a [blocks, block size, row] tensor."""
+    kv = getattr(getattr(attn.mla_attn, "mla_attn", None), "kv_cache", None)
+    if not isinstance(kv, torch.Tensor) or kv.ndim != 3 or kv.stride(0) % kv.shape[2]:
+        return None
+    return kv.shape[1], kv.stride(0) // kv.shape[2]
+
+
+class Deferred(NamedTuple):
+    """A decode step's pool top-k that the indexer left to the conversion:
+    the pool ids and the rows' positions (``seq_len - 1``)."""
+
+    pool_ids: torch.Tensor
+    positions: torch.Tensor
+
+
+class FusedRemap:
+    """A sparse MLA index group's ``_convert_once`` that expands a deferred
+    pool top-k and remaps it in one kernel, on the group's side stream as the
+    stock conversion, with or without counts. It mirrors the stock decode:
+    ``expand_pools_and_append_tail`` of ``positions.to(torch.int32) + 1``,
+    then ``triton_convert_req_index_to_global_index``. Without a deferred
+    top-k, or when the kernel declines it, the stock conversion runs
+    (declined: on the logical rows ``materialize`` writes first).
+
+    One per group, and so per layer (a fused group has one): it holds its
+    layer's hand-off, which a step fills (``hand_over``) and the conversion
+    empties."""
+
+    def __init__(self, group: SparseMLAIndexGroup, stage):
+        self.group, self.stage = group, stage
+        self.stock = group._convert_once
+        self.pending: Deferred | None = None
+
+    def hand_over(self, deferred: Deferred) -> None:
+        if self.pending is not None:
+            # Checked always (not an assert): under python -O a missed
+            # conversion would leave the logical rows unfilled.
+            raise RuntimeError(
+                "GLM-5-Next kpool: a deferred top-k of this layer was not "
+                "converted before the next step deferred another; the sparse "
+                "MLA decode did not call its index group's conversion"
+            )
+        self.pending = deferred
+
+    def __call__(
+        self,
+        layer_index,
+        logical,
+        req_ids,
+        block_table,
+        block_size,
+        *,
+        block_stride_rows,
+        return_valid_counts,
+        idx_mapping=None,
+    ):
+        pending, self.pending = self.pending, None
+        kwargs = dict(
+            block_stride_rows=block_stride_rows,
+            return_valid_counts=return_valid_counts,
+        )
+        if idx_mapping is not None:
+            kwargs["idx_mapping"] = idx_mapping
+        if pending is not None:
+            if layer_index == 0 and idx_mapping is None:
+                fused = self._fused(
+                    pending,
+                    logical.shape[0],
+                    req_ids,
+                    block_table,
+                    block_size,
+                    block_stride_rows,
+                    return_valid_counts,
+                )
+                if fused is not None:
+                    return fused
+            # The stock conversion reads the logical rows: write them, and
+            # record that they are ready now (the indexer's record came before
+            # them; the side stream of the stock conversion waits on it).
+            self.stage.materialize(pending, logical)
+            self.group.set_logical_topk_ready(layer_index)
+        return self.stock(
+            layer_index, logical, req_ids, block_table, block_size, **kwargs
+        )
+
+    def _fused(
+        self,
+        pending: Deferred,
+        rows: int,
+        req_ids,
+        block_table,
+        block_size,
+        block_stride_rows,
+        return_valid_counts,
+    ):
+        """The fused conversion's result, or None where it does not apply."""
+        group = self.group
+        if rows > group.physical_topk_indices.shape[0]:
+            return None
+        args = RemapArgs(
+            pending.pool_ids,
+            pending.positions,
+            POOL,
+            req_ids,
+            block_table,
+            group.physical_topk_indices[:rows],
+            group.valid_topk_counts[:rows] if return_valid_counts else None,
+            block_size,
+            block_size if block_stride_rows is None else block_stride_rows,
+            seq_offset=1,
+            int32_lengths=True,
+        )
+        executor = REMAP.executor_for(args)
+        if executor is None:
+            return None
+        compute_stream = current_stream()
+        if not in_piecewise_cudagraph():
+            group.side_stream.wait_event(group.logical_topk_ready)
+        else:
+            group.side_stream.wait_stream(compute_stream)
+        with group.side_stream:
+            REMAP.launch(executor, args)
+            group.physical_topk_ready.record(group.side_stream)
+        compute_stream.wait_event(group.physical_topk_ready)
+        return (args.out, args.counts) if return_valid_counts else args.out
