@@ -52,19 +52,20 @@ def check_tensors(
 ) -> None:
     """The first check of every rule: each of ``names`` is a tensor (or None
     where it is one of ``optional``), all on one device of a type the kernels
-    run on (``is_cuda`` and ``get_device`` are the cheap reads: this runs
-    before every eager launch)."""
-    first = None
+    run on. It runs before every eager launch, so a CUDA tensor costs only
+    ``is_cuda`` and ``get_device``."""
+    index = None
     for name in names:
         value = getattr(args, name)
-        if value is None and name in optional:
-            continue
-        if not isinstance(value, torch.Tensor):
-            raise mismatch(name, "a torch.Tensor", type(value).__name__)
+        if type(value) is not torch.Tensor:
+            if value is None and name in optional:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise mismatch(name, "a torch.Tensor", type(value).__name__)
         if not value.is_cuda and value.device.type not in constants.KERNEL_DEVICE_TYPES:
             raise mismatch(name, "a CUDA tensor", f"a tensor on {value.device}")
-        if first is None:
-            first, index = value, value.get_device()
+        if index is None:
+            index, first = value.get_device(), value
         elif value.get_device() != index:
             raise mismatch(
                 name, f"a tensor on {first.device} as the others", value.device
@@ -149,7 +150,10 @@ class KpoolJitKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT, Arg
         compile_key = self.key_for(args)
         args = self.complete(args)
         if self.launches(args):
-            self._get_or_compile(compile_key)(*self.executor_args(args))
+            executor = self._compiled_cache.get(compile_key)
+            if executor is None:
+                executor = self._get_or_compile(compile_key)
+            executor(*self.executor_args(args))
         return args
 
     def executor_for(self, args: ArgsT):

@@ -26,7 +26,11 @@ from vllm.models.glm5next.nvidia.ops.kpool_compress import (
     expand_pools_and_append_tail,
     kpool_decode_update_and_maybe_write_cache_batched,
 )
-from vllm.models.glm5next.nvidia.specialized_decode.constants import MAX_GROUPS, POOL
+from vllm.models.glm5next.nvidia.specialized_decode.constants import (
+    DIM,
+    MAX_GROUPS,
+    POOL,
+)
 from vllm.models.glm5next.nvidia.specialized_decode.expand_kernel import (
     EXPAND,
     ExpandArgs,
@@ -55,9 +59,9 @@ def update_or_stock(*stock_args, round_scale=True) -> None:
     """``kpool_decode_update_and_maybe_write_cache_batched(*stock_args,
     round_scale=round_scale)``: its positional arguments, as the indexer
     passes them."""
-    args = UpdateArgs(
-        *stock_args, mx_scales=mqa_logits_use_mx_scales(), round_scale=round_scale
-    )
+    if len(stock_args) == 9:  # head_dim left to its default
+        stock_args = (*stock_args, DIM)
+    args = UpdateArgs(*stock_args, mqa_logits_use_mx_scales(), round_scale)
     if UPDATE.run_if_ready(args) is None:
         kpool_decode_update_and_maybe_write_cache_batched(
             *stock_args, round_scale=round_scale
