@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kpool_fuzz import fuzz_seed, report
+from kpool_fuzz import fuzz_cases, fuzz_seed, report
 
 from tools.indexer import model
 
@@ -220,7 +220,8 @@ def test_fused_remap_streams(monkeypatch, path, piecewise):
     monkeypatch.setattr(REMAP, "launch", counted)
     seed = fuzz_seed()
     failures, cases = [], 0
-    for i in range(20):  # eager, each stream behind the other at a hand-off
+    steps = fuzz_cases(20)
+    for i in range(steps):  # eager, each stream behind the other at a hand-off
         for j, engine in enumerate(engines):
             engine.x.refill(seed + 2 * i + j)
         torch.cuda.synchronize()
@@ -231,7 +232,7 @@ def test_fused_remap_streams(monkeypatch, path, piecewise):
             cases += 1
             if not _same(g, e, counts):
                 failures.append(f"eager case {i} engine {label}")
-    fused = 2 * 20 if name in FUSED else 0
+    fused = 2 * steps if name in FUSED else 0
     assert len(launches) == fused, f"{len(launches)} fused conversions, not {fused}"
     assert a.remap.pending is None and b.remap.pending is None
     if not piecewise:  # FULL graph capture orders work by the same events
@@ -242,7 +243,7 @@ def test_fused_remap_streams(monkeypatch, path, piecewise):
             torch.cuda.synchronize()
             with torch.cuda.graph(graph, stream=capture):
                 got = fused_steps(engines, counts, idx_mapping)
-        for i in range(20):  # replays with fresh inputs
+        for i in range(steps):  # replays with fresh inputs
             for j, engine in enumerate(engines):
                 engine.x.refill(seed + 100 + 2 * i + j)
             torch.cuda.synchronize()
