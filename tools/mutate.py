@@ -187,11 +187,19 @@ def _patch_lines(patch: Path, path: str, source: str) -> set[int]:
 
 
 def _function_lines(tree: ast.Module, names: tuple[str, ...]) -> set[int]:
+    """The body lines of the module's functions and of ``Class.method``s
+    named in ``names``."""
     wanted: set[int] = set()
     found = set()
+    functions = [(getattr(node, "name", ""), node) for node in tree.body]
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in names:
-            found.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            functions += [
+                (f"{node.name}.{getattr(m, 'name', '')}", m) for m in node.body
+            ]
+    for name, node in functions:
+        if isinstance(node, ast.FunctionDef) and name in names:
+            found.add(name)
             wanted.update(range(node.body[0].lineno, node.end_lineno + 1))
     missing = set(names) - found
     if missing:
