@@ -258,6 +258,7 @@ def test_idx_mapping_declines(engine, stock_module, counts):
 def test_deferred_then_materialized(engine, stock_module, kwargs, routes):
     """A deferred top-k the fused remap cannot take is materialized into the
     logical rows, then converted by stock."""
+    kwargs = dict(kwargs)  # the parametrize dict lives for the whole process
     capacity = kwargs.pop("capacity", 64)
     inputs = make_inputs(Step([1, 1, 1], [150, 203, 190], pad_rows=1, seed=13))
     got = engine(inputs, capacity=capacity).run(inputs, **kwargs)
