@@ -33,8 +33,8 @@ LINT_VENV := build/venv-lint
 LINT_MARKER := $(LINT_VENV)/.pins-$(subst ==,-,$(RUFF_PIN))
 PYTEST_ARGS ?=
 WHEEL_ARGS ?=
-# The mutation tool and the coverage it selects tests by (make mutate only).
-MUTATE_PINS := cosmic-ray==8.7.0 coverage==7.17.3
+# The mutation tool, its runner and test selection included (make mutate only).
+MUTATE_PINS := mutmut==3.8.1
 MUTATE_ARGS ?=
 
 .PHONY: help test venv fetch wheel lint mutate clean distclean
