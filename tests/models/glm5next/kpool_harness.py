@@ -344,8 +344,9 @@ class Spies:
         assert compile_key in self.compiled[name], f"{name}: {compile_key} not warm"
         assert executor is type(kernel).executor_for(kernel, args), name
         self.launched[name].add(compile_key)
-        args = kernel.complete(args)
-        if kernel.launches(args):
+        if kernel.complete is not None:
+            args = kernel.complete(args)
+        if kernel.executor_args(args) is not None:
             self.twins[name](args)
         return args
 

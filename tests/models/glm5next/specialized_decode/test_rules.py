@@ -64,6 +64,19 @@ def test_rule_takes(cpu_rules, case):
     assert isinstance(kernel.key_for(case.args()), kernel.CompileKey)
 
 
+@pytest.mark.gpu
+def test_rules_answer_cuda_as_cpu(monkeypatch):
+    """Every case of the table gets on CUDA tensors the answer it gets on
+    CPU ones: the device check's fast path (CUDA tensors only) refuses and
+    takes what its full check does."""
+    on_cuda = {case.id: guard_table.refusal(case, "cuda") for case in guard_table.CASES}
+    monkeypatch.setattr(constants, "KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    on_cpu = {case.id: guard_table.refusal(case) for case in guard_table.CASES}
+    differ = {k: (on_cuda[k], on_cpu[k]) for k in on_cpu if on_cuda[k] != on_cpu[k]}
+    assert not differ, differ
+    assert sum(answer is not None for answer in on_cuda.values()) == len(REFUSED)
+
+
 @pytest.mark.parametrize("name", guard_table.KERNELS)
 def test_every_requirement_has_a_refusal(name):
     """Each argument a rule reads is broken by some case, and every tensor

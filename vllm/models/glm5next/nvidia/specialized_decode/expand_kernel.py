@@ -16,8 +16,8 @@ from vllm.models.glm5next.nvidia.specialized_decode.constants import POOL
 from vllm.models.glm5next.nvidia.specialized_decode.jit import (
     INDEX_TYPES,
     KpoolJitKernel,
+    TensorFields,
     check_int32,
-    check_tensors,
     layout,
     mismatch,
 )
@@ -44,12 +44,17 @@ class ExpandArgs(NamedTuple):
     int32_lengths: bool = False
 
 
+_TENSORS = TensorFields(ExpandArgs, ("pool_ids", "seq_lens"), optional=("out",))
+
+
 def _check_layouts(a: ExpandArgs) -> None:
     if a.pool_size != POOL:
         raise mismatch("pool_size", str(POOL), a.pool_size)
+    # This runs before every eager launch: each tensor's strides are read
+    # once, as a tuple that also stands for ndim and unit strides.
     pool_ids = a.pool_ids
-    shape = pool_ids.shape
-    if pool_ids.dtype is not torch.int32 or len(shape) != 2 or pool_ids.stride(1) != 1:
+    shape, ids = pool_ids.shape, pool_ids.stride()
+    if pool_ids.dtype is not torch.int32 or len(ids) != 2 or ids[1] != 1:
         raise mismatch(
             "pool_ids", "int32 [rows, pools], unit column stride", layout(pool_ids)
         )
@@ -74,9 +79,8 @@ def _check_layouts(a: ExpandArgs) -> None:
     seq_lens = a.seq_lens
     if (
         seq_lens.dtype not in INDEX_TYPES
-        or seq_lens.dim() != 1
+        or seq_lens.stride() != (1,)
         or seq_lens.shape[0] < shape[0]
-        or seq_lens.stride(0) != 1
     ):
         raise mismatch(
             "seq_lens", "int32/int64 [>= rows], unit stride", layout(seq_lens)
@@ -150,17 +154,16 @@ class ExpandPoolsKernel(KpoolJitKernel["ExpandPoolsKernel.CompileKey", ExpandArg
         int32_lengths: bool
 
     def key_for(self, args: ExpandArgs) -> CompileKey:
-        check_tensors(args, ("pool_ids", "seq_lens", "out"), optional=("out",))
+        _TENSORS.check(args)
         _check_layouts(args)
         return self.key(
             args.pool_ids.shape[1], args.seq_lens.dtype, bool(args.int32_lengths)
         )
 
-    def executor_args(self, args: ExpandArgs) -> tuple:
+    def executor_args(self, args: ExpandArgs) -> tuple | None:
+        if not args.pool_ids.shape[0]:
+            return None
         return args.pool_ids, args.seq_lens, args.out, args.seq_offset
-
-    def launches(self, args: ExpandArgs) -> bool:
-        return args.pool_ids.shape[0] > 0
 
     @staticmethod
     def kernel(compile_key: CompileKey) -> _ExpandKernel:

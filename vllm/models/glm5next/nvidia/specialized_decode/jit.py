@@ -19,6 +19,7 @@ Executors are compiled with ``--enable-tvm-ffi`` and launched with torch
 tensors on torch's current stream.
 """
 
+import operator
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
@@ -47,29 +48,61 @@ def layout(tensor: torch.Tensor) -> str:
     return f"{tensor.dtype} {list(tensor.shape)} strides {list(tensor.stride())}"
 
 
-def check_tensors(
-    args: NamedTuple, names: tuple[str, ...], optional: tuple[str, ...] = ()
-) -> None:
-    """The first check of every rule: each of ``names`` is a tensor (or None
-    where it is one of ``optional``), all on one device of a type the kernels
-    run on. It runs before every eager launch, so a CUDA tensor costs only
-    ``is_cuda`` and ``get_device``."""
-    index = None
-    for name in names:
-        value = getattr(args, name)
-        if type(value) is not torch.Tensor:
-            if value is None and name in optional:
+class TensorFields:
+    """The tensor fields of a kernel's ``Args``, which its rule checks first:
+    each a ``torch.Tensor`` (or None where ``optional``), all on one device of
+    a type the kernels run on (``constants.KERNEL_DEVICE_TYPES``).
+
+    ``check`` runs before every eager launch: it reads each tensor's device
+    index once, and only what fails that reads the names and builds the
+    message."""
+
+    def __init__(self, args_type, required: tuple[str, ...], optional=()) -> None:
+        fields = args_type._fields
+        self.names = (*required, *optional)
+        self.optional = frozenset(optional)
+        self._required = operator.itemgetter(*(fields.index(n) for n in required))
+        self._optional = tuple(fields.index(n) for n in optional)
+
+    def check(self, args: NamedTuple) -> None:
+        # A CUDA tensor's index is >= 0; anything else (a CPU tensor, None
+        # where required, a non-tensor: no get_device) takes the full check.
+        try:
+            values = self._required(args)
+            index = values[0].get_device()
+            if index >= 0:
+                for value in values:
+                    if value.get_device() != index:
+                        break
+                else:
+                    for i in self._optional:
+                        value = args[i]
+                        if value is not None and value.get_device() != index:
+                            break
+                    else:
+                        return
+        except (AttributeError, TypeError):
+            pass
+        self._refuse(args)
+
+    def _refuse(self, args: NamedTuple) -> None:
+        """Raises the refusal of the first field that fails; returns where
+        none does (a device type the tests add to ``KERNEL_DEVICE_TYPES``)."""
+        device = None
+        for name in self.names:
+            value = getattr(args, name)
+            if value is None and name in self.optional:
                 continue
             if not isinstance(value, torch.Tensor):
                 raise mismatch(name, "a torch.Tensor", type(value).__name__)
-        if not value.is_cuda and value.device.type not in constants.KERNEL_DEVICE_TYPES:
-            raise mismatch(name, "a CUDA tensor", f"a tensor on {value.device}")
-        if index is None:
-            index, first = value.get_device(), value
-        elif value.get_device() != index:
-            raise mismatch(
-                name, f"a tensor on {first.device} as the others", value.device
-            )
+            if value.device.type not in constants.KERNEL_DEVICE_TYPES:
+                raise mismatch(name, "a CUDA tensor", f"a tensor on {value.device}")
+            if device is None:
+                device = value.device
+            elif value.device != device:
+                raise mismatch(
+                    name, f"a tensor on {device} as the others", value.device
+                )
 
 
 def check_int32(name: str, value: Any) -> None:
@@ -95,18 +128,15 @@ class KpoolJitKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT, Arg
         does not take them."""
         raise NotImplementedError
 
-    def executor_args(self, args: ArgsT) -> tuple:
-        """What the compiled executor takes for ``args`` (stream excluded)."""
+    def executor_args(self, args: ArgsT) -> tuple | None:
+        """What the compiled executor takes for ``args`` (stream excluded),
+        or None where they have nothing to compute (empty rows)."""
         raise NotImplementedError
 
-    def launches(self, args: ArgsT) -> bool:
-        """False where ``args`` have nothing to compute (empty rows)."""
-        return True
-
-    def complete(self, args: ArgsT) -> ArgsT:
-        """``args`` with what the launch allocates (an output the caller
-        left None); called only once the kernel took them."""
-        return args
+    # ``args`` with what the launch allocates (an output the caller left
+    # None), called once the kernel took them; None where it allocates
+    # nothing (a method less per launch).
+    complete = None
 
     # --- Shared -----------------------------------------------------------------
 
@@ -148,12 +178,14 @@ class KpoolJitKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT, Arg
         kernel does not take, compiles a missing key, launches; returns the
         arguments it launched with (``complete``)."""
         compile_key = self.key_for(args)
-        args = self.complete(args)
-        if self.launches(args):
+        if self.complete is not None:
+            args = self.complete(args)
+        launch = self.executor_args(args)
+        if launch is not None:
             executor = self._compiled_cache.get(compile_key)
             if executor is None:
                 executor = self._get_or_compile(compile_key)
-            executor(*self.executor_args(args))
+            executor(*launch)
         return args
 
     def executor_for(self, args: ArgsT):
@@ -169,9 +201,11 @@ class KpoolJitKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT, Arg
     def launch(self, executor, args: ArgsT) -> ArgsT:
         """Launches ``executor`` (from ``executor_for(args)``) on ``args``
         unless they are empty; returns them completed."""
-        args = self.complete(args)
-        if self.launches(args):
-            executor(*self.executor_args(args))
+        if self.complete is not None:
+            args = self.complete(args)
+        launch = self.executor_args(args)
+        if launch is not None:
+            executor(*launch)
         return args
 
     def run_if_ready(self, args: ArgsT) -> ArgsT | None:

@@ -23,8 +23,8 @@ from vllm.models.glm5next.nvidia.specialized_decode.jit import (
     INDEX_TYPES,
     KpoolJitKernel,
     Refused,
+    TensorFields,
     check_int32,
-    check_tensors,
     layout,
     mismatch,
 )
@@ -99,19 +99,30 @@ def shape_takes(groups: int, width: int, pool_size: int, counts: bool) -> bool:
     return True
 
 
+_TENSORS = TensorFields(
+    RemapArgs,
+    ("pool_ids", "positions", "req_ids", "block_table", "out"),
+    optional=("counts",),
+)
+
+
 def _check_layouts(a: RemapArgs) -> None:
+    # This runs before every eager launch: each tensor's strides are read
+    # once, as a tuple that also stands for ndim and unit strides.
     pool_ids, req_ids, out = a.pool_ids, a.req_ids, a.out
-    if pool_ids.dtype != torch.int32 or pool_ids.ndim != 2 or pool_ids.stride(1) != 1:
+    ids = pool_ids.stride()
+    if pool_ids.dtype is not torch.int32 or len(ids) != 2 or ids[1] != 1:
         raise mismatch(
             "pool_ids", "int32 [rows, pools], unit column stride", layout(pool_ids)
         )
-    if req_ids.dtype != torch.int32 or req_ids.ndim != 1 or req_ids.stride(0) != 1:
+    if req_ids.dtype is not torch.int32 or req_ids.stride() != (1,):
         raise mismatch("req_ids", "int32 [rows], unit stride", layout(req_ids))
     rows = req_ids.shape[0]
+    size = out.shape
     if (
-        out.dtype != torch.int32
-        or out.ndim != 2
-        or out.shape[0] != rows
+        out.dtype is not torch.int32
+        or len(size) != 2
+        or size[0] != rows
         or not out.is_contiguous()
         or out.data_ptr() % 16
     ):
@@ -120,28 +131,29 @@ def _check_layouts(a: RemapArgs) -> None:
             "a contiguous 16-byte aligned int32 [rows of req_ids, width]",
             layout(out),
         )
-    check_shape(pool_ids.shape[1], out.shape[1], a.pool_size, a.counts is not None)
+    counts = a.counts
+    check_shape(pool_ids.shape[1], size[1], a.pool_size, counts is not None)
     # The kernel's block arithmetic is int32 (block_size is a power of two
     # or a multiple of 4 that the MLA cache takes).
+    block_size = a.block_size
     if (
-        not isinstance(a.block_size, int)
-        or a.block_size % POOL
-        or not 0 < a.block_size <= INT32_MAX
+        not isinstance(block_size, int)
+        or block_size % POOL
+        or not 0 < block_size <= INT32_MAX
     ):
-        raise mismatch("block_size", "a positive int32 multiple of 4", a.block_size)
+        raise mismatch("block_size", "a positive int32 multiple of 4", block_size)
     check_int32("stride_rows", a.stride_rows)
-    counts = a.counts
     if counts is not None and (
-        counts.dtype != torch.int32
-        or counts.ndim != 1
+        counts.dtype is not torch.int32
+        or counts.stride() != (1,)
         or counts.shape[0] < rows
-        or counts.stride(0) != 1
     ):
         raise mismatch(
             "counts", "int32 [>= rows of req_ids], unit stride", layout(counts)
         )
     table = a.block_table
-    if table.dtype != torch.int32 or table.ndim != 2 or table.stride(1) != 1:
+    blocks = table.stride()
+    if table.dtype is not torch.int32 or len(blocks) != 2 or blocks[1] != 1:
         raise mismatch(
             "block_table",
             "int32 [requests, blocks], unit column stride",
@@ -154,9 +166,8 @@ def _check_layouts(a: RemapArgs) -> None:
     positions = a.positions
     if (
         positions.dtype not in INDEX_TYPES
-        or positions.ndim != 1
+        or positions.stride() != (1,)
         or positions.shape[0] < pool_ids.shape[0]
-        or positions.stride(0) != 1
     ):
         raise mismatch(
             "positions",
@@ -353,11 +364,7 @@ class ExpandRemapKernel(KpoolJitKernel["ExpandRemapKernel.CompileKey", RemapArgs
         counts: bool
 
     def key_for(self, args: RemapArgs) -> CompileKey:
-        check_tensors(
-            args,
-            ("pool_ids", "positions", "req_ids", "block_table", "out", "counts"),
-            optional=("counts",),
-        )
+        _TENSORS.check(args)
         _check_layouts(args)
         return self.key(
             args.pool_ids.shape[1],
@@ -369,8 +376,10 @@ class ExpandRemapKernel(KpoolJitKernel["ExpandRemapKernel.CompileKey", RemapArgs
             args.counts is not None,
         )
 
-    def executor_args(self, args: RemapArgs) -> tuple:
+    def executor_args(self, args: RemapArgs) -> tuple | None:
         a = args
+        if not a.req_ids.shape[0]:
+            return None
         return (
             a.pool_ids,
             a.positions,
@@ -380,9 +389,6 @@ class ExpandRemapKernel(KpoolJitKernel["ExpandRemapKernel.CompileKey", RemapArgs
             a.counts,
             a.seq_offset,
         )
-
-    def launches(self, args: RemapArgs) -> bool:
-        return args.req_ids.shape[0] > 0
 
     @staticmethod
     def kernel(compile_key: CompileKey) -> _RemapKernel:

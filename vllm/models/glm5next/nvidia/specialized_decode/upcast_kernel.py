@@ -17,7 +17,7 @@ from cutlass.cute.runtime import make_fake_tensor
 
 from vllm.models.glm5next.nvidia.specialized_decode.jit import (
     KpoolJitKernel,
-    check_tensors,
+    TensorFields,
     layout,
     mismatch,
 )
@@ -48,6 +48,9 @@ class UpcastArgs(NamedTuple):
     logits: torch.Tensor
     row_ends: torch.Tensor
     out: torch.Tensor | None = None
+
+
+_TENSORS = TensorFields(UpcastArgs, ("logits", "row_ends"), optional=("out",))
 
 
 def _check_layouts(a: UpcastArgs) -> None:
@@ -258,7 +261,7 @@ class UpcastLogitsKernel(KpoolJitKernel["UpcastLogitsKernel.CompileKey", UpcastA
         self._only_key = self.CompileKey()
 
     def key_for(self, args: UpcastArgs) -> CompileKey:
-        check_tensors(args, UpcastArgs._fields, optional=("out",))
+        _TENSORS.check(args)
         _check_layouts(args)
         return self._only_key
 
@@ -272,11 +275,10 @@ class UpcastLogitsKernel(KpoolJitKernel["UpcastLogitsKernel.CompileKey", UpcastA
         )
         return UpcastArgs(logits, args.row_ends, out)
 
-    def executor_args(self, args: UpcastArgs) -> tuple:
+    def executor_args(self, args: UpcastArgs) -> tuple | None:
+        if not args.logits.numel():
+            return None
         return args.logits, args.out, args.row_ends, CTAS
-
-    def launches(self, args: UpcastArgs) -> bool:
-        return args.logits.numel() > 0
 
     @staticmethod
     def kernel(compile_key: CompileKey) -> _UpcastKernel:

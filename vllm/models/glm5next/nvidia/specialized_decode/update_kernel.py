@@ -26,7 +26,7 @@ from vllm.models.glm5next.nvidia.specialized_decode.constants import DIM, POOL
 from vllm.models.glm5next.nvidia.specialized_decode.jit import (
     INDEX_TYPES,
     KpoolJitKernel,
-    check_tensors,
+    TensorFields,
     layout,
     mismatch,
 )
@@ -71,7 +71,7 @@ class UpdateArgs(NamedTuple):
     round_scale: bool = True
 
 
-_TENSORS = UpdateArgs._fields[:8]
+_TENSORS = TensorFields(UpdateArgs, UpdateArgs._fields[:8])
 _INDICES = ("tail_slot_mapping", "slot_mapping", "positions")
 
 
@@ -330,7 +330,7 @@ class KpoolUpdateKernel(KpoolJitKernel["KpoolUpdateKernel.CompileKey", UpdateArg
         positions_dtype: torch.dtype
 
     def key_for(self, args: UpdateArgs) -> CompileKey:
-        check_tensors(args, _TENSORS)
+        _TENSORS.check(args)
         _check_layouts(args)
         kv, tail = args.kv_cache, args.tail_kv_cache
         return self.key(
@@ -346,11 +346,9 @@ class KpoolUpdateKernel(KpoolJitKernel["KpoolUpdateKernel.CompileKey", UpdateArg
             args.positions.dtype,
         )
 
-    def executor_args(self, args: UpdateArgs) -> tuple:
-        return args[:8]
-
-    def launches(self, args: UpdateArgs) -> bool:
-        return args.key.shape[0] > 0 and args.key.shape[1] > 0
+    def executor_args(self, args: UpdateArgs) -> tuple | None:
+        rows = args.key.shape
+        return args[:8] if rows[0] and rows[1] else None
 
     @staticmethod
     def kernel(compile_key: CompileKey) -> _UpdateKernel:
