@@ -184,14 +184,17 @@ class ReachedTheCompiler(Exception):
 
 @pytest.fixture
 def no_compiles(cpu_rules, monkeypatch):
-    """A compiler that raises ``ReachedTheCompiler`` (on the CPU nothing is
-    compiled: any launch compiles first)."""
+    """A compiler that raises ``ReachedTheCompiler``, over kernels that
+    compiled nothing yet (an earlier test in the process may have: any launch
+    then compiles first)."""
     from vllm.model_executor.warmup import jit_warmup_cutedsl_helper
 
     def compile_cutedsl(*args, **kwargs):
         raise ReachedTheCompiler
 
     monkeypatch.setattr(jit_warmup_cutedsl_helper, "compile_cutedsl", compile_cutedsl)
+    for name in guard_table.KERNELS:
+        monkeypatch.setattr(guard_table.jit_kernel(name), "_compiled_cache", {})
 
 
 # The cases the public functions can express (they have no head_dim or
