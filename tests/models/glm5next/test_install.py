@@ -195,6 +195,13 @@ def _group(**changes):
     return group
 
 
+def _group_without(name):
+    """A group of a vLLM whose index groups lack ``name``."""
+    group = _group()
+    delattr(group, name)
+    return group
+
+
 @pytest.mark.parametrize(
     "layer, why",
     [
@@ -210,6 +217,7 @@ def _group(**changes):
         (dict(group=_hisparse_group), "not a plain SparseMLAIndexGroup"),
         (dict(group=partial(_group, has_indexer=False)), "no indexer"),
         (dict(group=partial(_group, num_layers=2)), "more than one layer"),
+        (dict(group=partial(_group_without, "has_indexer")), "no indexer"),
         (dict(group=lambda: "none"), "not a plain SparseMLAIndexGroup"),
     ],
 )
@@ -250,6 +258,16 @@ def test_install_switches_the_fused_layers(installed):
         assert impl.index_group._convert_once is remap and remap.stage is stage
         assert remap.group is impl.index_group and remap.pending is None
         assert vars(impl)["convert_decode_through_index_group"] is True
+
+
+def test_install_fuses_an_impl_without_dcp_world_size(installed):
+    """An impl of a vLLM without ``dcp_world_size`` has no decode context
+    parallelism: it fuses."""
+    layers = attentions()
+    for attention in layers:
+        del attention.mla_attn.mla_attn.impl.dcp_world_size
+    stage = install.install(make_config(), layers)
+    assert stage.fuse and stage.why_not_fused == [None, None]
 
 
 def test_install_warms_up_before_planning(installed, spies):
