@@ -524,17 +524,26 @@ def test_diff_needs_a_stock_source(repo_ps, tmp_path):
 # -- CLI, validation, overlay -------------------------------------------------
 
 
+def _check_finds(root, tree, expect, found, state_line, fix):
+    """``check --expect EXPECT`` on a tree in state FOUND: exit 1, the state
+    report, and a message that names the command to run."""
+    r = run_cli(*root, "check", str(tree), "--expect", expect)
+    assert r.returncode == 1
+    assert r.stdout.startswith(f"{tree}: {found}: {state_line}")
+    assert r.stderr == (
+        f"patchset: check: expected {expect}, found {found}: run "
+        f"`tools/patchset.py {fix} {tree}`\n"
+    )
+
+
 def test_cli_round_trip(wheel_tree, fork_ps, snap):
     before = snap(wheel_tree)
     root = ["--root", str(fork_ps.root)]
     r = run_cli(*root, "check", str(wheel_tree), "--expect", "base")
     assert r.returncode == 0 and "base" in r.stdout
-    r = run_cli(*root, "check", str(wheel_tree), "--expect", "applied")
-    assert r.returncode == 1
-    assert r.stdout.startswith(f"{wheel_tree}: base: stock vLLM {fork_ps.version}, ")
-    assert r.stderr == (
-        "patchset: check: expected applied, found base: run "
-        f"`tools/patchset.py apply {wheel_tree}`\n"
+    version = fork_ps.version
+    _check_finds(
+        root, wheel_tree, "applied", "base", f"stock vLLM {version}, ", "apply"
     )
     r = run_cli(*root, "apply", str(wheel_tree))
     assert r.returncode == 0
@@ -544,13 +553,7 @@ def test_cli_round_trip(wheel_tree, fork_ps, snap):
     assert (
         run_cli(*root, "check", str(wheel_tree), "--expect", "applied").returncode == 0
     )
-    r = run_cli(*root, "check", str(wheel_tree), "--expect", "base")
-    assert r.returncode == 1
-    assert r.stdout.startswith(f"{wheel_tree}: applied: vLLM {fork_ps.version} with")
-    assert r.stderr == (
-        "patchset: check: expected base, found applied: run "
-        f"`tools/patchset.py revert {wheel_tree}`\n"
-    )
+    _check_finds(root, wheel_tree, "base", "applied", f"vLLM {version} with", "revert")
     assert run_cli(*root, "revert", str(wheel_tree)).returncode == 0
     assert snap(wheel_tree) == before
 
