@@ -4,12 +4,12 @@
 
 For each kernel (``KERNELS``): a builder of valid GLM-5-Next-shaped arguments
 (its ``*Args``: ``update_args``, ``expand_args``, ``remap_args``,
-``upcast_args``) and its cases (``CASES``), each the builder's arguments with
-some of them changed: a requirement broken (``refused``: the rule, the
-kernel's ``key_for``, must raise ``Refused`` naming that argument) or an edge
-the rule takes (``taken``). Every tensor argument also gets the cases of the
-type and device checks: a list, None where it is no optional field, a tensor
-on the meta device.
+``upcast_args``, ``select_args``) and its cases (``CASES``), each the
+builder's arguments with some of them changed: a requirement broken
+(``refused``: the rule, the kernel's ``key_for``, must raise ``Refused``
+naming that argument) or an edge the rule takes (``taken``). Every tensor
+argument also gets the cases of the type and device checks: a list, None
+where it is no optional field, a tensor on the meta device.
 
 ``tests/models/glm5next/specialized_decode/test_rules.py`` runs every case;
 this tool prints what the refusals expect, one row per requirement, in the
@@ -136,10 +136,15 @@ def _upcast_base() -> dict:
     return dict(logits=T((ROWS, 1024), BF16), row_ends=T((ROWS,), I32), out=None)
 
 
+def _select_base() -> dict:
+    return dict(logits=T((ROWS, 1024), F32), ends=T((ROWS,), I32), k=GROUPS, out=None)
+
+
 def _args_type(name: str):
     from vllm.models.glm5next.nvidia.specialized_decode import (
         expand_kernel,
         remap_kernel,
+        select_kernel,
         upcast_kernel,
         update_kernel,
     )
@@ -149,6 +154,7 @@ def _args_type(name: str):
         "expand": expand_kernel.ExpandArgs,
         "remap": remap_kernel.RemapArgs,
         "upcast": upcast_kernel.UpcastArgs,
+        "select": select_kernel.SelectArgs,
     }[name]
 
 
@@ -173,6 +179,10 @@ def remap_args(device="cpu", **changes):
 
 def upcast_args(device="cpu", **changes):
     return build("upcast", changes, device)
+
+
+def select_args(device="cpu", **changes):
+    return build("select", changes, device)
 
 
 # --- The cases -----------------------------------------------------------------
@@ -544,6 +554,41 @@ def _upcast_cases():
     yield taken("no-rows", logits=T((0, 1024), BF16), row_ends=T((0,), I32))
 
 
+def _select_cases():
+    rows, k = ROWS, GROUPS
+    widest = 16 * 53248
+    yield refused("k", "k-0", k=0)
+    yield refused("k", "k-4097", k=4097)
+    yield refused("k", "k-bool", k=True)
+    yield refused("logits", "logits-fp16", logits=T((rows, 1024), F16))
+    yield refused("logits", "logits-ndim", logits=T((rows * 1024,), F32))
+    yield refused(
+        "logits", "logits-column-stride-2", logits=T((rows, 1000), F32, (2008, 2))
+    )
+    yield refused(
+        "logits", "logits-row-stride-1002", logits=padded((rows, 1000), 1002, F32)
+    )
+    yield refused("logits", "logits-misaligned", logits=T((rows, 1024), F32, None, 2))
+    yield refused(
+        "logits", "logits-too-wide", logits=T((rows, widest + 4), F32, (0, 1))
+    )
+    yield refused("ends", "ends-int64", ends=T((rows,), I64))
+    yield refused("ends", "ends-ndim", ends=T((rows, 1), I32))
+    yield refused("ends", "ends-fewer-rows", ends=T((rows - 1,), I32))
+    yield refused("ends", "ends-strided", ends=T((rows,), I32, (2,)))
+    yield refused("out", "out-int64", out=T((rows, k), I64))
+    yield refused("out", "out-k-1", out=T((rows, k - 1), I32))
+    yield refused("out", "out-rows", out=T((rows + 1, k), I32))
+    yield refused("out", "out-column-stride-2", out=T((rows, k), I32, (2 * k, 2)))
+    yield taken("base")
+    yield taken("bf16", logits=T((rows, 1024), BF16))
+    yield taken("out", out=padded((rows, k), k + 64, I32))
+    yield taken("rows-padded", logits=padded((rows, 1000), 1008, F32))
+    yield taken("widest", logits=T((rows, widest), F32, (0, 1)))
+    yield taken("more-ends", ends=T((rows + 5,), I32))
+    yield taken("no-rows", logits=T((0, 1024), F32), ends=T((0,), I32))
+
+
 class Kernel(NamedTuple):
     """A kernel's row in the table: its public function and the stage's
     stock-or-kernel path (``entry``), its builder, its tensor arguments (and
@@ -597,6 +642,15 @@ KERNELS = {
             (),
             _upcast_cases,
         ),
+        Kernel(
+            "select",
+            "`select_topk`, `KpoolStage` (opt-in select)",
+            _select_base,
+            ("logits", "ends", "out"),
+            ("out",),
+            (),
+            _select_cases,
+        ),
     )
 }
 
@@ -647,6 +701,7 @@ def jit_kernel(name: str):
     from vllm.models.glm5next.nvidia.specialized_decode import (
         expand_kernel,
         remap_kernel,
+        select_kernel,
         upcast_kernel,
         update_kernel,
     )
@@ -656,6 +711,7 @@ def jit_kernel(name: str):
         "expand": expand_kernel.EXPAND,
         "remap": remap_kernel.REMAP,
         "upcast": upcast_kernel.UPCAST,
+        "select": select_kernel.SELECT,
     }[name]
 
 

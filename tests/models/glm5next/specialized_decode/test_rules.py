@@ -126,6 +126,11 @@ MESSAGES = {
     "stride, got torch.int32 [2] strides [1]",
     "upcast-ends-more-rows": "row_ends: expected int32 [rows of logits], unit "
     "stride, got torch.int32 [4] strides [1]",
+    "select-k-bool": "k: expected an int in [1, 4096], got True",
+    "select-logits-too-wide": "logits: expected at most 851968 columns (16 CTAs "
+    "of 53248 shared keys), got 851972",
+    "select-ends-fewer-rows": "ends: expected int32 [>= rows of logits], unit "
+    "stride, got torch.int32 [2] strides [1]",
 }
 BY_ID = {case.id: case for case in guard_table.CASES}
 
@@ -164,6 +169,8 @@ def public_call(name: str, a):
         )
     if name == "upcast":
         return lambda: kpool.upcast_logits(a.logits, a.row_ends, out=a.out)
+    if name == "select":
+        return lambda: kpool.select_topk(a.logits, a.ends, a.k, out=a.out)
     if a.int32_lengths:
         return None
     if name == "expand":
@@ -299,6 +306,11 @@ KEY_FIELDS = [
     ("remap", "positions_dtype", dict(positions=T((3,), I32))),
     ("remap", "int32_lengths", dict(int32_lengths=True)),
     ("remap", "counts", dict(counts=None)),
+    ("select", "k", dict(k=1024)),
+    ("select", "dtype", dict(logits=T((3, 1024), BF16))),
+    ("select", "capacity", dict(logits=T((3, 5000), F32))),
+    # The cluster size fixes the slice, and so the capacity, at a width.
+    ("select", "cluster+capacity", dict(logits=T((3, 65536), F32, (0, 1)))),
 ]
 
 
@@ -310,7 +322,7 @@ def test_key_field(cpu_rules, name, field, changes):
     rule = guard_table.jit_kernel(name).key_for
     base = dataclasses.asdict(rule(guard_table.build(name)))
     changed = dataclasses.asdict(rule(guard_table.build(name, changes)))
-    assert {k for k in base if base[k] != changed[k]} == {field}
+    assert {k for k in base if base[k] != changed[k]} == set(field.split("+"))
 
 
 def test_every_key_field_has_a_case():
@@ -318,7 +330,10 @@ def test_every_key_field_has_a_case():
     for name in guard_table.KERNELS:
         key = guard_table.jit_kernel(name).CompileKey
         assert {f.name for f in dataclasses.fields(key)} == {
-            field for kernel, field, _ in KEY_FIELDS if kernel == name
+            one
+            for kernel, field, _ in KEY_FIELDS
+            if kernel == name
+            for one in field.split("+")
         }
 
 
@@ -345,6 +360,8 @@ SAME_KEY = [
     ("remap", dict(block_table=T((1, 3), I32), seq_offset=7)),
     ("upcast", dict(logits=T((1, 8), BF16), row_ends=T((1,), I32))),
     ("upcast", dict(out=T((3, 1024), F32))),
+    ("select", dict(ends=T((9,), I32), out=T((3, 512), I32))),
+    ("select", dict(logits=T((9, 1000), F32, (1000, 1)), ends=T((9,), I32))),
 ]
 
 

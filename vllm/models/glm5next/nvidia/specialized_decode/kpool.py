@@ -11,6 +11,11 @@ otherwise; the stage sends such inputs, and any whose kernel its warmup did
 not compile, to the stock function. A function compiles a kernel variant on
 first use (never inside a CUDA graph capture); launches go through TVM-FFI on
 torch's current stream, with PDL.
+
+One function is not bit for bit: ``select_topk`` (``select_kernel.py``), the
+pool top-k, gives the set of stock's decode top-k in its own stated order
+and tie choice; the stage runs it only where the deployment opts in
+(``kpool_select``).
 """
 
 import torch
@@ -25,6 +30,7 @@ from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import (
     REMAP,
     RemapArgs,
 )
+from vllm.models.glm5next.nvidia.specialized_decode.select_kernel import select_topk
 from vllm.models.glm5next.nvidia.specialized_decode.stage import KpoolStage
 from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import (
     UPCAST,
@@ -41,6 +47,7 @@ __all__ = [
     "expand_and_remap",
     "expand_pools",
     "kpool_update",
+    "select_topk",
     "upcast_logits",
 ]
 
