@@ -26,6 +26,11 @@ reports, the timing rows (``--time``) and the stand-ins (how ties break).
 Exits 1 on any mismatch. Expect roughly a minute a run on the H200 at 600
 decode steps (an estimate, not measured yet): split the matrix over commands
 (``--backends``) or set ``--budget-s``.
+
+``--select`` runs the stages with the opt-in select (``kpool_select``):
+stock's top-k is then its contract's reference (``refs.ContractTopk``) and
+the physical and logical top-k rows compare as sets (the select's order is
+ascending pools); caches and counts still byte for byte.
 """
 
 import argparse
@@ -79,6 +84,7 @@ def _args() -> argparse.Namespace:
     add("--budget-s", type=float, default=0, help="start no run after this")
     add("--hold-cycles", type=int, default=200_000, help="stream hold-back (GPU)")
     add("--stages", type=int, default=None, help="2: the two-stage runs alone")
+    add("--select", action="store_true", help="the stages with the opt-in select")
     return parser.parse_args()
 
 
@@ -145,7 +151,7 @@ def main() -> int:
             continue
         cfg = Config(backend, mode, geo=geo, seed=seed,
                      work=Workload(tail_split=split, **work), stages=stages,
-                     hold_cycles=args.hold_cycles)  # fmt: skip
+                     hold_cycles=args.hold_cycles, select=args.select)  # fmt: skip
         report = run(cfg, device)
         print(report.line(), flush=True)
         for detail in report.details:

@@ -46,18 +46,19 @@ POISON = -7
 STAGE_MODULES = ("kpool", "warmup", "install")
 
 
-def build_stage(attentions, max_rows: int, device, stages):
+def build_stage(attentions, max_rows: int, device, stages, select: bool = False):
     """The stage on ``attentions`` as ``install()`` and the JIT warmup make
     it: a ``KpoolStage`` added to ``stages`` (the process's ``KpoolStages``
     registry, which the caller sets as ``sparse_indexer.SPECIALIZED_KPOOL``)
     by the indexer top-k buffer, every kernel variant its warmup derives
     compiled (``KpoolWarmup.compile``; on the CPU the rules refuse CPU
     tensors, so nothing compiles and each kernel routes to its stock twin),
-    then ``warmed``. The self-check is left to its own test."""
+    then ``warmed``; ``select``: with the opt-in select. The self-check is
+    left to its own test."""
     from vllm.models.glm5next.nvidia.specialized_decode.stage import KpoolStage
     from vllm.models.glm5next.nvidia.specialized_decode.warmup import KpoolWarmup
 
-    stage = KpoolStage(attentions, max_rows, device)
+    stage = KpoolStage(attentions, max_rows, device, select=select)
     stages.add(stage, attentions[0].indexer.topk_indices_buffer)
     KpoolWarmup(stage, attentions, self_check="off").compile()
     stage.warmed = True
@@ -195,11 +196,21 @@ def index_group(logical, device, physical_rows=None) -> SparseMLAIndexGroup:
     return group
 
 
-def dsa_layer(prefix: str, impl, buffer, topk: int, kv=None, tail=None, mla_kv=None):
+def dsa_layer(
+    prefix: str,
+    impl,
+    buffer,
+    topk: int,
+    kv=None,
+    tail=None,
+    mla_kv=None,
+    max_pool_len=None,
+):
     """A DSA layer (``Glm5NextMLAAttention``) as the stage and its warmup read
     it: ``prefix`` its attention's (``model.layers.N.self_attn``), the
-    indexer's caches, top-k buffer and width, the sparse MLA impl and its KV
-    cache (``[blocks, block size, row]``, for the remap's block layout)."""
+    indexer's caches, top-k buffer and width, its logits' width in pools,
+    the sparse MLA impl and its KV cache (``[blocks, block size, row]``, for
+    the remap's block layout)."""
     return SimpleNamespace(
         indexer=SimpleNamespace(
             k_cache=SimpleNamespace(prefix=f"{prefix}.indexer.k_cache", kv_cache=kv),
@@ -209,6 +220,7 @@ def dsa_layer(prefix: str, impl, buffer, topk: int, kv=None, tail=None, mla_kv=N
             topk_indices_buffer=buffer,
             topk_tokens=topk,
             scale_fmt="ue8m0",
+            max_pool_len=max_pool_len,
         ),
         mla_attn=SimpleNamespace(mla_attn=SimpleNamespace(impl=impl, kv_cache=mla_kv)),
     )
@@ -260,7 +272,7 @@ class Side:
             impl = sparse_mla_impl(backend.convert, self.groups[layer])
             attn = dsa_layer(
                 k_prefix.removesuffix(".indexer.k_cache"), impl, self.buffer,
-                geo.topk, self.kv[layer], self.tail[layer], rows,
+                geo.topk, self.kv[layer], self.tail[layer], rows, geo.max_pool_len,
             )  # fmt: skip
             assert attn.indexer.tail_cache.prefix == tail_prefix
             self.attentions.append(attn)

@@ -148,6 +148,20 @@ class Topk:
         out.copy_(select_topk(logits, torch.zeros_like(ends), ends, k))
 
 
+class ContractTopk(Topk):
+    """``Topk`` by the opt-in select's contract (``select_reference``: stock
+    CUDA's order key, so -0.0 below +0.0, ties to the lower pool), for runs
+    that compare the select's sets against stock's."""
+
+    def __call__(self, logits, seq_lens, next_n, out, k, max_seq_len):
+        from vllm.models.glm5next.nvidia.specialized_decode.self_check import (
+            select_reference,
+        )
+
+        ends = seq_lens.reshape(-1)[: logits.shape[0]].to(torch.int32)
+        out.copy_(select_reference(logits, ends, k))
+
+
 def _top_k_per_row_prefill(logits, row_starts, row_ends, out, rows, s0, s1, k):
     out[:rows].copy_(select_topk(logits[:rows], row_starts[:rows], row_ends[:rows], k))
 

@@ -58,7 +58,7 @@ from tools.indexer.model import (
     cpu_streams,
     mx_scales,
 )
-from tools.indexer.refs import TIE_BREAK, references
+from tools.indexer.refs import TIE_BREAK, ContractTopk, Topk, references
 from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import (
@@ -105,6 +105,9 @@ class Config:
     # CUDA: each stream held back this many cycles before each conversion
     # (outside FULL graphs), so a missing event or join shows as a mismatch.
     hold_cycles: int = 0
+    # The opt-in select on the stage sides; stock's top-k is then its
+    # contract's reference and the top-k rows compare as sets.
+    select: bool = False
     full_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)  # requests
     piecewise_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
     max_reported: int = 20
@@ -148,6 +151,12 @@ class Report:
             "launches": dict(self.launches),
             "summary": self.line(),
         }
+
+
+def rows_as_sets(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's entries in ascending order: rows equal as sets compare
+    equal."""
+    return torch.sort(rows, dim=1).values
 
 
 class Run:
@@ -304,12 +313,15 @@ class Run:
                 sa, sb = a.snap[layer], b.snap[layer]
                 tail_a, tail_b = (s.tail[layer].view(torch.int16) for s in (a, b))
                 where.append((b.name, layer))
+                top = [(s.physical[:rows], s.logical[:rows]) for s in (sa, sb)]
+                if self.cfg.select:  # the same sets, in the select's order
+                    top = [[rows_as_sets(t) for t in side] for side in top]
                 flags += [
                     (a.kv[layer] != b.kv[layer]).any(),
                     (tail_a != tail_b).any(),
-                    (sa.physical[:rows] != sb.physical[:rows]).any(),
+                    (top[0][0] != top[1][0]).any(),
                     (sa.counts[:rows] != sb.counts[:rows]).any() if counts else false,
-                    (sa.logical[:rows] != sb.logical[:rows]).any(),
+                    (top[0][1] != top[1][1]).any(),
                     (sb.logical[:rows] == POISON).all(),
                     b.deferred[layer],
                 ]
@@ -334,10 +346,12 @@ class Run:
         cfg = self.cfg
         name = f"{cfg.backend}/{cfg.mode}/tail-{cfg.work.tail_split}"
         name += "/2 stages" if cfg.stages == 2 else ""
+        name += "/select" if cfg.select else ""
         report = Report(name, cfg.seed, cfg.geo.layers, steps=self.stats)
         with contextlib.ExitStack() as stack:
             stack.enter_context(mx_scales(self.backend.mx))
-            stack.enter_context(references(sparse_indexer, self.device))
+            topk = ContractTopk if cfg.select else Topk
+            stack.enter_context(references(sparse_indexer, self.device, topk=topk))
             if self.stream is None:
                 stack.enter_context(cpu_streams())
             else:  # after the initial state, made on the default stream
@@ -358,7 +372,11 @@ class Run:
         """Each stage side's stage, in the run's registry."""
         for side in self.sides[1:]:
             side.stage = build_stage(
-                side.attentions, self.cfg.geo.capacity, self.device, self.registry
+                side.attentions,
+                self.cfg.geo.capacity,
+                self.device,
+                self.registry,
+                select=self.cfg.select,
             )
             side.kpool = self.registry
 

@@ -44,6 +44,10 @@ from vllm.models.glm5next.nvidia.specialized_decode import stage as stage_module
 from vllm.models.glm5next.nvidia.specialized_decode.expand_kernel import EXPAND
 from vllm.models.glm5next.nvidia.specialized_decode.jit import Refused
 from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import REMAP
+from vllm.models.glm5next.nvidia.specialized_decode.select_kernel import SELECT
+from vllm.models.glm5next.nvidia.specialized_decode.self_check import (
+    select_reference,
+)
 from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import UPCAST
 from vllm.models.glm5next.nvidia.specialized_decode.update_kernel import UPDATE
 from vllm.utils import deep_gemm
@@ -71,7 +75,13 @@ LAYER = "model.layers.0.self_attn.indexer.k_cache"
 TAIL = "model.layers.0.self_attn.indexer.tail_cache"
 MTP_LAYER = "model.layers.3.self_attn.indexer.k_cache"
 MTP_TAIL = "model.layers.3.self_attn.indexer.tail_cache"
-KERNELS = {"update": UPDATE, "expand": EXPAND, "remap": REMAP, "upcast": UPCAST}
+KERNELS = {
+    "update": UPDATE,
+    "expand": EXPAND,
+    "remap": REMAP,
+    "upcast": UPCAST,
+    "select": SELECT,
+}
 
 # The originals, before any test patches them.
 STOCK_UPDATE = kpool_ops.kpool_decode_update_and_maybe_write_cache_batched
@@ -257,6 +267,11 @@ def upcast_twin(a) -> None:
     a.out[below] = STOCK_UPCAST(a.logits, a.row_ends)[below]
 
 
+def select_twin(a) -> None:
+    # The select's contract (it has no stock twin of the same bytes).
+    a.out.copy_(select_reference(a.logits, a.ends, a.k))
+
+
 def routes_of(timeline: list[str]) -> list[str]:
     """The route entries of a timeline: launches, stock fallbacks, the
     hand-over of a deferred top-k and its materialization."""
@@ -291,7 +306,11 @@ class Spies:
         self.compiled: dict[str, set] = {name: set() for name in KERNELS}
         self.launched: dict[str, set] = {name: set() for name in KERNELS}
         self.twins = dict(
-            update=update_twin, expand=expand_twin, remap=remap_twin, upcast=upcast_twin
+            update=update_twin,
+            expand=expand_twin,
+            remap=remap_twin,
+            upcast=upcast_twin,
+            select=select_twin,
         )
         patch.setattr(constants, "KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
         for name, kernel in KERNELS.items():
@@ -632,6 +651,7 @@ def make_attention(group, inputs: Inputs, *, impl=None, prefix=None, bound=True)
             topk_tokens=args["topk_tokens"],
             topk_indices_buffer=inputs.buffer,
             scale_fmt=args["scale_fmt"],
+            max_pool_len=args["max_pool_len"],
         ),
     )
 
@@ -692,16 +712,20 @@ def fake_gpu(patch, capability: int | None) -> None:
     )
 
 
-def install_stage(patch, attentions, *, max_rows=64, warm=True, self_check="off"):
-    """``install()`` on a (faked) SM90 GPU inside a model runner's JIT warmup
-    registry, then the registry's warmup (the stage's real warmup, compiling
-    on fakes; the self-check launches kernels, so "off" by default), as a
-    runner does before serving."""
+def install_stage(
+    patch, attentions, *, max_rows=64, warm=True, self_check="off", select=False
+):
+    """``install()`` on a (faked) SM90 GPU of 132 SMs inside a model runner's
+    JIT warmup registry, then the registry's warmup (the stage's real warmup,
+    compiling on fakes; the self-check launches kernels, so "off" by
+    default), as a runner does before serving; ``select``: opted in."""
     from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 
     patch.delenv(constants.SELF_CHECK_ENV, raising=False)
+    patch.setattr(stage_module, "sm_count", lambda device: 132)
     config = make_config(scheduler_config__max_num_seqs=max_rows)
     config.additional_config[constants.SELF_CHECK_KEY] = self_check
+    config.additional_config[constants.SELECT_KEY] = select
     config.speculative_config = None  # decode_capacity: max_rows
     registry = JitWarmupRegistry(config)
     with patch.context() as gpu:
@@ -748,11 +772,14 @@ class Engine:
         warm=True,
         group=None,
         impl=None,
+        select=False,
     ):
         self.timeline, self.inputs = timeline, inputs
         self.group = group or make_group(inputs.buffer, capacity, timeline)
         self.attention = make_attention(self.group, inputs, impl=impl, bound=bound)
-        self.stage = install([self.attention], max_rows=max_rows, warm=warm)
+        self.stage = install(
+            [self.attention], max_rows=max_rows, warm=warm, select=select
+        )
         watch(self.stage, timeline)
 
     def run(self, inputs, group=None, **kwargs):

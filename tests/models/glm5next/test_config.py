@@ -164,8 +164,29 @@ def test_unknown_keys_warn_with_the_nearest(gpu, vllm_log, key, near):
         assert record.getMessage() == (
             f"additional_config key {key!r} is not a GLM-5-Next specialized decode "
             f"setting and is ignored{hint} (valid keys: decode_backend, "
-            "specialized_decode_skip, specialized_decode_self_check)."
+            "specialized_decode_skip, specialized_decode_self_check, kpool_select)."
         )
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_select_is_opt_in(gpu, value):
+    """``kpool_select`` (default false) turns on the select, a bool only."""
+    assert (
+        sd.specialized_decode_config(make_config(additional_config=ON)).select is False
+    )
+    extra = {**ON, "kpool_select": value}
+    config = sd.specialized_decode_config(make_config(additional_config=extra))
+    assert config.select is value
+
+
+@pytest.mark.parametrize("value", ["true", 1, None])
+def test_select_takes_a_bool(gpu, value):
+    extra = {**ON, "kpool_select": value}
+    with pytest.raises(ValueError) as error:
+        sd.specialized_decode_config(make_config(additional_config=extra))
+    assert str(error.value) == (
+        f"additional_config kpool_select={value!r}: expected true or false"
+    )
 
 
 def test_other_keys_do_not_warn(gpu, vllm_log):

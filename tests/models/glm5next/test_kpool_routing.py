@@ -166,6 +166,75 @@ def test_fp32_scales_not_rounded(engine, spies, stock_module, step):
     assert_same(got, stock_run(stock_module, inputs), logical=not deferred)
 
 
+def assert_same_sets(got, want) -> None:
+    """The same caches and counts as stock, and each physical row stock's
+    set (the opt-in select lists pools in ascending order, stock's top-k in
+    its own)."""
+    assert torch.equal(got.kv_cache, want.kv_cache), "index K cache"
+    assert torch.equal(got.counts, want.counts), "valid counts"
+    rows = [torch.sort(o.physical, dim=1).values for o in (got, want)]
+    assert torch.equal(*rows), "physical top-k sets"
+    assert not torch.equal(got.physical, want.physical), "no order changed"
+
+
+SELECTED = [UPDATE, "kernel:select", "defer", "kernel:remap"]
+
+
+@pytest.fixture
+def contract_topk(monkeypatch, stock_module):
+    """Stock's decode top-k as the select's contract picks ties (the lower
+    pool; vLLM's torch reference picks any, and ReLU logits tie at 0.0)."""
+    from kpool_harness import select_reference
+
+    def topk(logits, seq_lens, next_n, out, k, max_seq_len):
+        ends = seq_lens.reshape(-1).to(torch.int32)
+        out.copy_(select_reference(logits, ends, k).flip(1))  # another order
+
+    monkeypatch.setattr(stock_module, "get_indexer_topk", lambda backend: topk)
+
+
+@pytest.mark.parametrize("step", TOKEN_ROWS)
+def test_select_opted_in(engine, spies, stock_module, contract_topk, step):
+    """``kpool_select``: a deferring step's logits go to the select at the
+    upcast (no upcast, no stock top-k), its ascending pool ids to the fused
+    remap: stock's caches, counts and physical sets."""
+    inputs = make_inputs(step)
+    got = engine(inputs, select=True).run(inputs)
+    assert got.routes == SELECTED
+    assert spies.launched["select"] <= spies.compiled["select"]
+    assert_same_sets(got, stock_run(stock_module, inputs))
+
+
+def test_select_of_bf16_logits(sm100, engine, stock_module, contract_topk):
+    """SM100: the select reads DeepGEMM's BF16 logits; nothing upcasts."""
+    inputs = make_inputs(Step([2, 2], [2157, 2310], seed=35, **GLM), mx=True)
+    got = engine(inputs, select=True).run(inputs)
+    assert got.routes == SELECTED
+    assert_same_sets(got, stock_run(stock_module, inputs))
+
+
+def test_select_declines_past_one_wave(monkeypatch, engine, stock_module):
+    """Rows whose clusters take a second wave run stock's upcast and top-k."""
+    from vllm.models.glm5next.nvidia.specialized_decode import stage
+
+    inputs = make_inputs(Step([1, 1, 1], [2100, 2403, 2190], seed=36, **GLM))
+    built = engine(inputs, select=True)
+    monkeypatch.setattr(stage, "one_wave", lambda *args: False)
+    got = built.run(inputs)
+    assert got.routes == DEFERRED
+    assert_same(got, stock_run(stock_module, inputs), logical=False)
+
+
+@pytest.mark.parametrize("step", STEPS[len(TOKEN_ROWS) :])
+def test_select_only_in_deferring_steps(engine, stock_module, step):
+    """Steps that do not defer never select: stock's bytes."""
+    inputs = make_inputs(step)
+    got = engine(inputs, select=True).run(inputs)
+    assert "kernel:select" not in got.routes
+    want = stock_run(stock_module, inputs)
+    assert_same(got, want, logical=step.layout != "padded")
+
+
 def test_fused_remap_under_piecewise_graphs(engine, stock_module):
     """Inside piecewise CUDA graphs the side stream waits on the compute
     stream (an event recorded in a captured segment is graph-local)."""
@@ -375,6 +444,8 @@ def _expected_keys(inputs, *, mx=False, round_scale=True, stride=BLOCK):
         },
         # SM90's logits are FP32: no upcast variant.
         upcast=set(),
+        # The select is opt-in (kpool_select).
+        select=set(),
     )
 
 

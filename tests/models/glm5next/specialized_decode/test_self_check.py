@@ -40,6 +40,40 @@ def model(sm100, engine, monkeypatch):
     return engine(make_inputs(Step([1], [150]), mx=True))
 
 
+@pytest.fixture
+def select_model(sm100, engine, monkeypatch):
+    """``model`` with the opt-in select (its self-check cases ask the SMs)."""
+    from kpool_harness import Step, make_inputs
+
+    from vllm.models.glm5next.nvidia.specialized_decode import (
+        select_kernel,
+        self_check,
+    )
+
+    monkeypatch.setattr(self_check, "check", partial(self_check.check, cases=3))
+    monkeypatch.setattr(select_kernel, "sm_count", lambda device: 132)
+    monkeypatch.setenv("VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED", "1234")
+    return engine(make_inputs(Step([1], [150]), mx=True), select=True)
+
+
+def test_select_is_checked_against_its_contract(select_model, spies):
+    """Opted in, the self-check launches every select variant the warmup
+    compiled against ``select_reference``; a select that differs from it
+    keeps the stage off."""
+    for launched in spies.launched.values():
+        launched.clear()
+    assert _self_check(select_model, "on")
+    assert spies.launched["select"] == spies.compiled["select"] != set()
+    twin = spies.twins["select"]
+
+    def off_by_one(a):
+        twin(a)
+        a.out[:, -1] += 1
+
+    spies.twins["select"] = off_by_one
+    assert not _self_check(select_model, "on")
+
+
 def _self_check(model, mode):
     from vllm.models.glm5next.nvidia.specialized_decode import warmup
 
@@ -56,7 +90,8 @@ def test_matching_kernels_turn_the_stage_on(model, spies, vllm_log):
         launched.clear()
     assert _self_check(model, "on")
     assert spies.launched == spies.compiled
-    assert set(spies.launched) == {"update", "expand", "remap", "upcast"}
+    launched = {name for name, keys in spies.launched.items() if keys}
+    assert launched == {"update", "expand", "remap", "upcast"}
     passed = [r.getMessage() for r in vllm_log.records if "self-check" in r.msg]
     variants = sum(len(keys) for keys in spies.compiled.values())
     assert passed[0].startswith(

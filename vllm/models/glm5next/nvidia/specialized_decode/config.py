@@ -8,7 +8,10 @@ into a ``DecodeConfig``, and what a deployment must have to run the
   ``"latency_specialized"`` the stages;
 - ``specialized_decode_skip``: stage names to leave out;
 - ``specialized_decode_self_check``: ``"on"`` / ``"off"`` / ``"strict"``,
-  overridden by ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK``.
+  overridden by ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK``;
+- ``kpool_select``: ``true`` runs the stage's own pool top-k (the same set
+  as stock's, in ascending pool order: not stock's bytes), default
+  ``false``.
 
 A key that looks like one of these but is not (``decode-backend``,
 ``specialized_decode_skips``) warns with the nearest valid key; a bad value
@@ -29,6 +32,7 @@ from vllm.models.glm5next.nvidia.specialized_decode.constants import (
     CONFIG_KEYS,
     DIM,
     POOL,
+    SELECT_KEY,
     SELF_CHECK_ENV,
     SELF_CHECK_KEY,
     SELF_CHECK_MODES,
@@ -45,6 +49,8 @@ class DecodeConfig:
     stages: tuple[str, ...]
     # The warmup self-check: "on", "off" or "strict".
     self_check: str = "on"
+    # The opt-in pool select in place of stock's top-k (not stock's bytes).
+    select: bool = False
 
 
 def specialized_decode_config(vllm_config) -> DecodeConfig | None:
@@ -81,7 +87,12 @@ def specialized_decode_config(vllm_config) -> DecodeConfig | None:
                 f"the stages out with additional_config {SKIP_KEY}="
                 f"{list(stages)}, or use {BACKEND_KEY}=auto."
             )
-    return DecodeConfig(stages=stages, self_check=self_check)
+    select = extra.get(SELECT_KEY, False)
+    if not isinstance(select, bool):
+        raise ValueError(
+            f"additional_config {SELECT_KEY}={select!r}: expected true or false"
+        )
+    return DecodeConfig(stages=stages, self_check=self_check, select=select)
 
 
 def warn_unknown_keys(extra: dict) -> None:

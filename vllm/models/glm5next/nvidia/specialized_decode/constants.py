@@ -39,4 +39,8 @@ SELF_CHECK_KEY = "specialized_decode_self_check"
 SELF_CHECK_ENV = "VLLM_GLM5NEXT_KPOOL_SELF_CHECK"
 SELF_CHECK_SEED_ENV = "VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED"
 SELF_CHECK_MODES = ("on", "off", "strict")
-CONFIG_KEYS = (BACKEND_KEY, SKIP_KEY, SELF_CHECK_KEY)
+# The opt-in pool select (select_kernel.py): true runs our exact top-k in
+# place of stock's in deferring steps, the same set in ascending pool order
+# (bytes differ from stock's: its order is its atomics'). Default false.
+SELECT_KEY = "kpool_select"
+CONFIG_KEYS = (BACKEND_KEY, SKIP_KEY, SELF_CHECK_KEY, SELECT_KEY)

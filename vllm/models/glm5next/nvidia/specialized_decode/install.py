@@ -81,7 +81,7 @@ def install(vllm_config, attentions):
 
     max_rows = decode_capacity(vllm_config)
     buffer = attentions[0].indexer.topk_indices_buffer
-    stage = KpoolStage(attentions, max_rows, buffer.device)
+    stage = KpoolStage(attentions, max_rows, buffer.device, select=config.select)
     registry().add(stage, buffer)
     registered = _register_warmup(KpoolWarmup(stage, attentions, config.self_check))
     (logger.info if registered else logger.warning)(

@@ -8,7 +8,8 @@ the rules admit (NaN, +-inf, -0.0, denormals, FP8 saturation, overflowing
 pools, ties, -1 and wrapping pool ids, int64 positions beyond int32,
 negative block-table entries, zero and padded rows). Outputs go to scratch
 buffers poisoned first; the comparison is byte for byte, with one sync at
-the end.
+the end. The opt-in select has no stock twin of the same bytes: its cases
+compare with ``select_reference``, its contract computed by sorting.
 
 ``check(keys, seed)`` returns the first mismatch as "kernel case N (seed S):
 what" or None. ``KpoolStage`` then stays off and the decode runs stock."""
@@ -22,6 +23,7 @@ from vllm.models.glm5next.nvidia.ops import kpool_compress
 from vllm.models.glm5next.nvidia.specialized_decode import (
     expand_kernel,
     remap_kernel,
+    select_kernel,
     upcast_kernel,
     update_kernel,
 )
@@ -252,9 +254,59 @@ def _upcast(kernel, key, rng, gen):
     return (out.view(torch.int32)[below],), (want.view(torch.int32)[below],)
 
 
+def select_reference(logits: torch.Tensor, ends: torch.Tensor, k: int):
+    """The select's contract (``select_kernel``) by sorting: per row the
+    columns below ``clamp(end, 0, width)``, all of them then -1 if at most
+    ``k``, else the ``k`` largest order keys, ties to the lower column, in
+    ascending column order. The select has no stock twin of the same bytes."""
+    rows, width = logits.shape
+    if logits.dtype == torch.bfloat16:
+        bits, sign, full = logits.view(torch.int16).long() & 0xFFFF, 1 << 15, 0xFFFF
+    else:
+        bits = logits.view(torch.int32).long() & 0xFFFFFFFF
+        sign, full = 1 << 31, 0xFFFFFFFF
+    keys = torch.where(bits & sign != 0, full - bits, bits | sign)
+    ends = ends[:rows].long().clamp(0, width)
+    columns = torch.arange(width, device=logits.device)
+    keys = torch.where(columns[None, :] < ends[:, None], keys, -1)
+    top = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, :k]
+    top = torch.nn.functional.pad(torch.sort(top, dim=1).values, (0, k - top.shape[1]))
+    slots = torch.arange(k, device=logits.device)
+    short = torch.where(slots[None, :] < ends[:, None], slots[None, :], -1)
+    return torch.where((ends > k)[:, None], top, short).to(torch.int32)
+
+
+def _select(kernel, key, rng, gen):
+    device = gen.device
+    # The widest rows of the key's shared capacity; row counts of its cluster.
+    width = key.capacity * key.cluster
+    sms = select_kernel.sm_count(device)
+    counts = [
+        r
+        for r in range(1, 257)
+        if select_kernel.cluster_for(r, width, key.dtype, sms) == key.cluster
+    ]
+    rows = rng.choice(counts[:64]) if counts else 1
+    scale = rng.choice([1e-3, 1.0, 1e4])
+    values = torch.randn(rows * width, generator=gen, device=device) * scale
+    if rng.random() < 0.5:  # ties across the threshold
+        values = values.round()
+    logits = _specials(values, 0.01, gen).to(key.dtype).view(rows, width)
+    edges = [0, 1, key.k - 1, key.k, key.k + 1, width, width + 7, -1]
+    ends = [
+        rng.choice(edges) if rng.random() < 0.5 else rng.randint(0, width)
+        for _ in range(rows)
+    ]
+    ends = torch.tensor(ends, dtype=torch.int32, device=device)
+    out = torch.empty((rows, key.k), dtype=torch.int32, device=device)
+    _launch(kernel, key, select_kernel.SelectArgs(logits, ends, key.k, out))
+    return (out,), (select_reference(logits, ends, key.k),)
+
+
 _CASES = {
     type(update_kernel.UPDATE).__name__: _update,
     type(expand_kernel.EXPAND).__name__: _expand,
     type(remap_kernel.REMAP).__name__: _remap,
     type(upcast_kernel.UPCAST).__name__: _upcast,
+    type(select_kernel.SELECT).__name__: _select,
 }

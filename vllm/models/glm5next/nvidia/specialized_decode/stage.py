@@ -41,6 +41,12 @@ from vllm.models.glm5next.nvidia.specialized_decode.fused_remap import (
     why_not_fusable,
 )
 from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import shape_takes
+from vllm.models.glm5next.nvidia.specialized_decode.select_kernel import (
+    SELECT,
+    SelectArgs,
+    one_wave,
+    sm_count,
+)
 from vllm.models.glm5next.nvidia.specialized_decode.steps import PlannedSteps
 from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import (
     UPCAST,
@@ -90,17 +96,56 @@ def expand_or_stock(
     )
 
 
+def _selected(*stock_args) -> None:
+    """The top-k of a step whose select already wrote the pool ids."""
+
+
 class LayerStep:
     """One DSA layer's decode in a planned step: the calls of patch 0002,
     and whether this step defers its pool top-k to the layer's conversion
-    (``deferring``; the indexer then leaves its logical rows unfilled)."""
+    (``deferring``; the indexer then leaves its logical rows unfilled).
+
+    With the opt-in select (``kpool_select``), a deferring step offers the
+    logits to it at the upcast, where they arrive with their row ends: where
+    it takes them (``selected``) it writes the step's pool ids, the logits
+    stay as DeepGEMM returned them (no upcast: the select reads BF16) and the
+    top-k runs nothing; else the stock upcast and top-k run."""
 
     update = staticmethod(update_or_stock)
-    upcast = staticmethod(upcast_or_stock)
 
-    def __init__(self, stage: "KpoolStage", remap: FusedRemap | None):
+    def __init__(
+        self, stage: "KpoolStage", remap: FusedRemap | None, k: int | None = None
+    ):
         self.stage, self.remap = stage, remap
         self.deferring = remap is not None
+        # The pools a row selects, where this step may run the select.
+        self.select_k = k if self.deferring and stage.select else None
+        self.selected = False
+
+    def upcast(self, logits: torch.Tensor, row_ends: torch.Tensor) -> torch.Tensor:
+        """``as_fp32_logits``, same arguments; the logits themselves where
+        this step's select took them."""
+        if self.select_k is not None and self.select(logits, row_ends):
+            return logits
+        return upcast_or_stock(logits, row_ends)
+
+    def select(self, logits: torch.Tensor, ends: torch.Tensor) -> bool:
+        """Runs the select of ``logits`` below ``ends`` into the step's pool
+        ids where its rule takes them, warmup compiled their key, and all
+        rows fit one wave (else stock's top-k is faster)."""
+        rows, width = logits.shape
+        stage = self.stage
+        if rows > stage.max_rows or not one_wave(rows, width, logits.dtype, stage.sms):
+            return False
+        out = self.pool_topk(rows, self.select_k, logits.device)
+        args = SelectArgs(logits, ends, self.select_k, out)
+        self.selected = SELECT.run_if_ready(args) is not None
+        return self.selected
+
+    def top_k(self, stock):
+        """The top-k to call: ``stock`` (``get_indexer_topk(backend)``), or
+        nothing where the select ran."""
+        return _selected if self.selected else stock
 
     def pool_topk(self, rows: int, groups: int, device) -> torch.Tensor:
         """Where the top-k select writes the step's pool ids."""
@@ -148,10 +193,13 @@ class KpoolStage:
     upcast = staticmethod(upcast_or_stock)
     expand = staticmethod(expand_or_stock)
 
-    def __init__(self, attentions, max_rows: int, device):
+    def __init__(self, attentions, max_rows: int, device, *, select: bool = False):
         attentions = list(attentions)
         self.max_rows = max_rows
         self.warmed = False
+        # The opt-in select (``kpool_select``), and the SMs its waves count.
+        self.select = select
+        self.sms = sm_count(torch.device(device)) if select else 0
         self.pool_buffer = torch.empty(
             (max_rows, MAX_GROUPS), dtype=torch.int32, device=device
         )
@@ -217,7 +265,7 @@ class KpoolStage:
             )
         ):
             remap = self.remaps[str(layer)]
-        return LayerStep(self, remap)
+        return LayerStep(self, remap, topk_tokens // pool_size)
 
     def defers(self, layer, rows: int, groups: int, pool_size: int, width: int):
         """Whether ``rows`` decode rows of ``layer`` can hand their pool
@@ -252,6 +300,8 @@ class KpoolStage:
             name = str(attn.indexer.k_cache.prefix).removesuffix(".indexer.k_cache")
             if self.fuse:
                 tail = "fused expand + remap"
+                if self.select:
+                    tail = f"select (opt-in, one wave of rows), {tail}"
             else:
                 tail = f"expand, stock conversion ({why or 'another layer is not'})"
             lines.append(f"{name}: update ({scales}), {upcast}, {tail}")

@@ -20,6 +20,7 @@ from vllm.logger import init_logger
 from vllm.models.glm5next.nvidia.specialized_decode import (
     expand_kernel,
     remap_kernel,
+    select_kernel,
     upcast_kernel,
     update_kernel,
 )
@@ -39,6 +40,7 @@ KERNELS = (
     expand_kernel.EXPAND,
     remap_kernel.REMAP,
     upcast_kernel.UPCAST,
+    select_kernel.SELECT,
 )
 # The model runners' positions buffer, which the indexer passes on.
 POSITIONS_DTYPE = torch.int64
@@ -114,6 +116,31 @@ def launch_cases(stage, attentions) -> dict:
         cases[upcast_kernel.UPCAST].append(
             upcast_kernel.UpcastArgs(tensor((1, 8), logits), tensor((1,), torch.int32))
         )
+        if stage.select and stage.fuse:
+            cases[select_kernel.SELECT] += select_cases(stage, indexer, logits)
+    return cases
+
+
+def select_cases(stage, indexer, dtype) -> list:
+    """The opt-in select's arguments at each row count of one wave
+    (``LayerStep.select``): DeepGEMM's logits, ``max_pool_len`` columns
+    wide; the rows share one row of storage (stride 0: the key reads shapes)."""
+    width = getattr(indexer, "max_pool_len", None)
+    if width is None:  # no logits width: the select stays uncompiled (stock)
+        return []
+    device = stage.pool_buffer.device
+    row = torch.zeros((1, width), dtype=dtype, device=device)
+    cases = []
+    for rows in range(1, stage.max_rows + 1):
+        if select_kernel.one_wave(rows, width, dtype, stage.sms):
+            cases.append(
+                select_kernel.SelectArgs(
+                    row.expand(rows, width),
+                    torch.zeros((rows,), dtype=torch.int32, device=device),
+                    indexer.topk_tokens // POOL,
+                    stage.pool_buffer[:rows, : indexer.topk_tokens // POOL],
+                )
+            )
     return cases
 
 
