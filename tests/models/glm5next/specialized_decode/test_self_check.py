@@ -74,6 +74,31 @@ def test_select_is_checked_against_its_contract(select_model, spies):
     assert not _self_check(select_model, "on")
 
 
+def test_select_cases_derive_every_key():
+    """Each select key a warmup can compile (1-256 rows, GLM-5-Next widths
+    of 4K-1M tokens and odd ones) has self-check shapes that derive it."""
+    from vllm.models.glm5next.nvidia.specialized_decode import select_kernel
+    from vllm.models.glm5next.nvidia.specialized_decode.self_check import (
+        _select_shapes,
+    )
+
+    sms, keys = 132, set()
+    for dtype in (torch.float32, torch.bfloat16):
+        for width in (1000, 1024, 16384 + 8, 65536, 100000, 262144, 851968):
+            for rows in range(1, 257):
+                cluster = select_kernel.cluster_for(rows, width, dtype, sms)
+                capacity = select_kernel.slice_capacity(width, dtype, cluster)
+                keys.add(select_kernel.SELECT.CompileKey(512, dtype, cluster, capacity))
+    assert {key.cluster for key in keys} == {1, 2, 4, 8, 16}
+    for key in keys:
+        shapes = _select_shapes(key, sms)
+        assert shapes, key
+        for rows, width in shapes:
+            assert select_kernel.cluster_for(rows, width, key.dtype, sms) == key.cluster
+            got = select_kernel.slice_capacity(width, key.dtype, key.cluster)
+            assert got == key.capacity, (key, rows, width)
+
+
 def _self_check(model, mode):
     from vllm.models.glm5next.nvidia.specialized_decode import warmup
 

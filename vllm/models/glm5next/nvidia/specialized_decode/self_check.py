@@ -276,17 +276,32 @@ def select_reference(logits: torch.Tensor, ends: torch.Tensor, k: int):
     return torch.where((ends > k)[:, None], top, short).to(torch.int32)
 
 
+def _select_shapes(key, sms: int) -> list[tuple[int, int]]:
+    """(rows, width) pairs whose select key is ``key``: widths whose slices
+    fill the key's capacity from just above the next smaller one to all of
+    it, each with the row counts that choose its cluster size, at most 2^23
+    logits a case (the fewest rows where none is that small)."""
+    vector = 4 if key.dtype == torch.float32 else 8
+    capacities = (0, *select_kernel.CAPACITIES)
+    below = capacities[capacities.index(key.capacity) - 1]
+    spans = {key.capacity, below + vector, (below + key.capacity) // 2}
+    shapes = []
+    for span in sorted(spans):
+        width = span * key.cluster
+        for rows in range(1, 257):
+            if (
+                select_kernel.cluster_for(rows, width, key.dtype, sms) == key.cluster
+                and select_kernel.slice_capacity(width, key.dtype, key.cluster)
+                == key.capacity
+            ):
+                shapes.append((rows, width))
+    small = [(rows, width) for rows, width in shapes if rows * width <= 1 << 23]
+    return small or sorted(shapes)[:1] or [(1, key.capacity * key.cluster)]
+
+
 def _select(kernel, key, rng, gen):
     device = gen.device
-    # The widest rows of the key's shared capacity; row counts of its cluster.
-    width = key.capacity * key.cluster
-    sms = select_kernel.sm_count(device)
-    counts = [
-        r
-        for r in range(1, 257)
-        if select_kernel.cluster_for(r, width, key.dtype, sms) == key.cluster
-    ]
-    rows = rng.choice(counts[:64]) if counts else 1
+    rows, width = rng.choice(_select_shapes(key, select_kernel.sm_count(device)))
     scale = rng.choice([1e-3, 1.0, 1e4])
     values = torch.randn(rows * width, generator=gen, device=device) * scale
     if rng.random() < 0.5:  # ties across the threshold
