@@ -93,6 +93,17 @@ def test_indexer_steps_cpu(backend, mode):
     assert report.steps["prefill"] and report.steps[f"mode {mode}"]
 
 
+def test_indexer_steps_cpu_select():
+    """``--select``: stock's top-k is the contract's reference and the top-k
+    rows compare as sets (on the CPU the rules refuse CPU tensors, so the
+    stage's kernels, the select among them, route to stock: the plumbing)."""
+    import dataclasses
+
+    report = run(dataclasses.replace(cpu_config("sm100"), select=True), "cpu")
+    _check(report, CPU_WORK.decode_steps)
+    assert report.name.endswith("/select")
+
+
 def test_full_graph_key_names_its_host_values():
     """A FULL graph replays only for steps with its capture's host values:
     8 requests of 1 token and 4 of 2 (8 rows each, unpadded) get two graphs,
