@@ -104,6 +104,7 @@ class SelectArgs(NamedTuple):
 _TENSORS = TensorFields(SelectArgs, ("logits", "ends"), optional=("out",))
 
 
+@functools.cache
 def slice_capacity(width: int, dtype: torch.dtype, cluster: int) -> int:
     """The shared keys a CTA of a ``cluster``-CTA row holds for rows of
     ``width`` columns, or 0 where no capacity holds its slice."""
@@ -118,6 +119,8 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Cached (as one_wave): the eager host path asks them once a layer a step.
+@functools.cache
 def cluster_for(rows: int, width: int, dtype: torch.dtype, sms: int) -> int | None:
     """The CTAs a row takes: the most that keep the rows' CTAs within half
     of ``sms`` and the slices at least ``MIN_SLICE`` keys, else the fewest
@@ -144,6 +147,7 @@ SM_THREADS = 2048
 CTA_RESERVED_BYTES = 1024
 
 
+@functools.cache
 def one_wave(rows: int, width: int, dtype: torch.dtype, sms: int) -> bool:
     """Whether the clusters of ``rows`` rows of ``width`` columns are all
     resident at once on ``sms`` SMs. The stage runs the select only then:
