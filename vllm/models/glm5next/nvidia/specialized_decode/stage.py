@@ -8,7 +8,9 @@ by ``install``:
 
 1. ``sparse_indexer.SPECIALIZED_KPOOL`` (patch 0002): the indexer's decode
    branch asks ``decode_step`` and, in a planned step, calls the returned
-   ``LayerStep`` for the tail update, the upcast and the pool expansion;
+   ``LayerStep`` for the tail update, the upcast (where the deployment opts
+   in, ``kpool_select``, the select there, and then no stock top-k) and the
+   pool expansion;
 2. each fused layer's ``SparseMLAIndexGroup._convert_once`` becomes its
    ``FusedRemap``: the group calls that attribute for every conversion and
    vLLM has no hook there, so the stage replaces it (stock again with no
@@ -182,7 +184,9 @@ class KpoolStage:
     It owns all of the engine's state: which steps are planned
     (``steps``), whether its warmup compiled and checked the kernels
     (``warmed``: no step is planned before), the pool buffer deferred steps
-    write, and each fused layer's ``FusedRemap`` with its hand-off. Where
+    write, whether the opt-in select runs (``select``, with the SMs its
+    one-wave rule counts), and each fused layer's ``FusedRemap`` with its
+    hand-off. Where
     every DSA layer's index group can take a ``FusedRemap`` (``fuse``), the
     indexer leaves its uniform decode rows as pool ids and skips filling the
     logical top-k buffer, which no consumer reads; ``why_not_fused`` says,
