@@ -85,6 +85,12 @@ def _args() -> argparse.Namespace:
     add("--hold-cycles", type=int, default=200_000, help="stream hold-back (GPU)")
     add("--stages", type=int, default=None, help="2: the two-stage runs alone")
     add("--select", action="store_true", help="the stages with the opt-in select")
+    add(
+        "--stock-topk-so",
+        type=Path,
+        default=None,
+        help="the wheel's _C_stable .so: --time with --select times against it",
+    )
     return parser.parse_args()
 
 
@@ -160,11 +166,17 @@ def main() -> int:
         runs.append(report.as_dict())
         dump()
     if args.time or args.time_only:
-        from tools.indexer.timing import STAND_INS, UNIT, time_layers
+        from tools.indexer.timing import SELECT_STAND_INS, STAND_INS, UNIT, time_layers
 
-        meta |= dict(timing_unit=UNIT, timing_stand_ins=STAND_INS)
+        if args.select:
+            if args.stock_topk_so is None or not args.stock_topk_so.is_file():
+                sys.exit("--time with --select: --stock-topk-so names no file")
+            torch.ops.load_library(str(args.stock_topk_so))
+        stand_ins = SELECT_STAND_INS if args.select else STAND_INS
+        meta |= dict(timing_unit=UNIT, timing_stand_ins=stand_ins)
         for backend in args.backends.split(","):
-            rows = time_layers(backend, seed=seed, cfg=Config(backend, geo=geo))
+            cfg = Config(backend, geo=geo, select=args.select)
+            rows = time_layers(backend, seed=seed, cfg=cfg)
             timing += rows
             dump()
             for row in rows:

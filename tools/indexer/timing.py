@@ -14,7 +14,10 @@ past the top-k.
 
 DeepGEMM's logits and the top-k are precomputed (``refs.Fixed``: a stored
 logits tensor, a copy of stored ids), the same on both sides, so the figures
-hold the indexer's own work, not the torch references'. The driver's own
+hold the indexer's own work, not the torch references'. With the opt-in
+select (``Config.select``) the top-k is vLLM 0.33.0's own instead
+(``WheelTopk``: the pinned wheel's ops, which the caller loads), which the
+stage side replaces by the select where it runs. The driver's own
 checks (the deferred-rows flag, the snapshots) are off while timing
 (``Side.record``).
 """
@@ -38,6 +41,29 @@ from vllm.models.glm5next.nvidia import sparse_indexer
 BATCHES = ((1, 1), (8, 1), (32, 1), (8, 2), (32, 2), (8, 4), (32, 4))
 UNIT = "indexer decode step + its top-k conversion"
 STAND_INS = "logits: a stored tensor; top-k: a copy of stored ids (both sides)"
+SELECT_STAND_INS = (
+    "logits: a stored tensor; top-k: vLLM 0.33.0's cooperative/persistent_topk "
+    "(the wheel's binary; the stage side runs the opt-in select where it takes "
+    "the rows)"
+)
+
+
+class WheelTopk:
+    """``get_indexer_topk(backend)`` as 0.33.0's ``auto`` picks it for
+    GLM-5-Next's decode (``cooperative_topk`` up to 64 rows, else
+    ``persistent_topk``), from the wheel's ops: ``torch.ops.load_library``
+    of its ``_C_stable_libtorch.abi3.so`` first (docs/gpu-tier.md)."""
+
+    def __init__(self, device):
+        self.workspace = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+
+    def __call__(self, backend="auto"):
+        def topk(logits, seq_lens, next_n, out, k, max_seq_len):
+            ops = torch.ops._C
+            op = ops.cooperative_topk if logits.shape[0] <= 64 else ops.persistent_topk
+            op(logits, seq_lens.reshape(-1), out, self.workspace, k, max_seq_len)
+
+        return topk
 
 
 def _batch(run: Run, requests: int, next_n: int, context, rng) -> Batch:
@@ -142,7 +168,8 @@ def time_layers(
             run.fill_inputs(step.rows)
             run.source.positions = step.positions
             fixed = _fixed(run, step)
-            with references(sparse_indexer, run.device, fixed.logits, fixed.topk):
+            topk = WheelTopk(run.device) if cfg.select else fixed.topk
+            with references(sparse_indexer, run.device, fixed.logits, topk):
                 for side in run.sides:
                     with (
                         side.active(),

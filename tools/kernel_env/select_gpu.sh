@@ -15,9 +15,10 @@
 #   (--clock-control none), the sections that say where its time goes;
 # - steps: tools/indexer_steps.py --select, KPOOL_INDEXER_STEPS (1000) decode
 #   steps a run, every backend path and mode;
-# - stock: the set and attention comparisons with vLLM's own top-k and
-#   tools/bench_select.py; needs KPOOL_STOCK_TOPK_SO (docs/gpu-tier.md says
-#   how to stage the wheel's binary).
+# - stock: the set and attention comparisons with vLLM's own top-k,
+#   tools/bench_select.py and the per-layer indexer step timing against it;
+#   needs KPOOL_STOCK_TOPK_SO (docs/gpu-tier.md says how to stage the
+#   wheel's binary).
 # Logs go to $OUT (or /tmp). Exits non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -63,7 +64,10 @@ for part in "${parts[@]}"; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider "$test" -m gpu -k stock_topk \
         || status=1
       timeout 500 python3 tools/bench_select.py --stock-topk-so "$KPOOL_STOCK_TOPK_SO" \
-        --json "$logs/bench_select.json" || status=1 ;;
+        --json "$logs/bench_select.json" || status=1
+      timeout 500 python3 tools/indexer_steps.py --select --time-only \
+        --stock-topk-so "$KPOOL_STOCK_TOPK_SO" --json "$logs/timing_select.json" \
+        || status=1 ;;
     *) echo "unknown part $part (fuzz, sanitize, ncu, steps, stock)"; status=1 ;;
   esac
 done
