@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools import bench_kpool as B  # noqa: E402
+from tools.indexer.refs import WheelTopk  # noqa: E402
 
 K = 512  # select_k: index_topk 2048 / index_kpool 4
 BLOCK = 64
@@ -63,20 +64,18 @@ def chain_inputs(rows: int, width: int, end: int, next_n: int, dtype, gen):
         logical=torch.full((rows, B.WIDTH), -1, dtype=torch.int32),
         physical=torch.empty(rows, B.WIDTH, dtype=torch.int32),
         counts=torch.empty(rows, dtype=torch.int32),
-        workspace=torch.empty(1 << 20, dtype=torch.uint8),
     )
     tensors = {name: t.to(device) for name, t in tensors.items()}
     tensors["logits"] = torch.randn(rows, width, device=device).to(dtype)
+    tensors["topk"] = WheelTopk(device)()
     return tensors
 
 
 def stock_topk(t, width: int):
-    op = torch.ops._C.cooperative_topk if t["ends"].numel() <= 64 else None
-    op = op or torch.ops._C.persistent_topk
     logits = t["logits"]
     if logits.dtype != torch.float32:
         logits = B.K.as_fp32_logits(logits, t["ends"])
-    op(logits, t["ends"], t["pool_topk"], t["workspace"], K, width * 4)
+    t["topk"](logits, t["ends"], 1, t["pool_topk"], K, width * 4)
 
 
 def stock_chain(t, width: int):

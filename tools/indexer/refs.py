@@ -148,6 +148,24 @@ class Topk:
         out.copy_(select_topk(logits, torch.zeros_like(ends), ends, k))
 
 
+class WheelTopk:
+    """``get_indexer_topk(backend)`` as 0.33.0's ``auto`` picks it for
+    GLM-5-Next's decode (``cooperative_topk`` up to 64 rows, else
+    ``persistent_topk``), from the wheel's ops: ``torch.ops.load_library``
+    of its ``_C_stable_libtorch.abi3.so`` first (docs/gpu-tier.md)."""
+
+    def __init__(self, device):
+        self.workspace = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+
+    def __call__(self, backend="auto"):
+        def topk(logits, seq_lens, next_n, out, k, max_seq_len):
+            ops = torch.ops._C
+            op = ops.cooperative_topk if logits.shape[0] <= 64 else ops.persistent_topk
+            op(logits, seq_lens.reshape(-1), out, self.workspace, k, max_seq_len)
+
+        return topk
+
+
 class ContractTopk(Topk):
     """``Topk`` by the opt-in select's contract (``select_reference``: stock
     CUDA's order key, so -0.0 below +0.0, ties to the lower pool), for runs

@@ -32,7 +32,7 @@ import torch
 
 from tools.indexer.batches import Batch, Request, Scheduled
 from tools.indexer.model import mx_scales
-from tools.indexer.refs import Fixed, references, select_topk
+from tools.indexer.refs import Fixed, WheelTopk, references, select_topk
 from tools.indexer.steps import Config, Run
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import override_forward_context
@@ -46,24 +46,6 @@ SELECT_STAND_INS = (
     "(the wheel's binary; the stage side runs the opt-in select where it takes "
     "the rows)"
 )
-
-
-class WheelTopk:
-    """``get_indexer_topk(backend)`` as 0.33.0's ``auto`` picks it for
-    GLM-5-Next's decode (``cooperative_topk`` up to 64 rows, else
-    ``persistent_topk``), from the wheel's ops: ``torch.ops.load_library``
-    of its ``_C_stable_libtorch.abi3.so`` first (docs/gpu-tier.md)."""
-
-    def __init__(self, device):
-        self.workspace = torch.empty(1 << 20, dtype=torch.uint8, device=device)
-
-    def __call__(self, backend="auto"):
-        def topk(logits, seq_lens, next_n, out, k, max_seq_len):
-            ops = torch.ops._C
-            op = ops.cooperative_topk if logits.shape[0] <= 64 else ops.persistent_topk
-            op(logits, seq_lens.reshape(-1), out, self.workspace, k, max_seq_len)
-
-        return topk
 
 
 def _batch(run: Run, requests: int, next_n: int, context, rng) -> Batch:

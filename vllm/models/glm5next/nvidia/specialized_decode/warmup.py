@@ -130,18 +130,15 @@ def select_cases(stage, indexer, dtype) -> list:
         return []
     device = stage.pool_buffer.device
     row = torch.zeros((1, width), dtype=dtype, device=device)
-    cases = []
-    for rows in range(1, stage.max_rows + 1):
-        if select_kernel.one_wave(rows, width, dtype, stage.sms):
-            cases.append(
-                select_kernel.SelectArgs(
-                    row.expand(rows, width),
-                    torch.zeros((rows,), dtype=torch.int32, device=device),
-                    indexer.topk_tokens // POOL,
-                    stage.pool_buffer[:rows, : indexer.topk_tokens // POOL],
-                )
-            )
-    return cases
+    ends = torch.zeros((stage.max_rows,), dtype=torch.int32, device=device)
+    k = indexer.topk_tokens // POOL
+    return [
+        select_kernel.SelectArgs(
+            row.expand(rows, width), ends[:rows], k, stage.pool_buffer[:rows, :k]
+        )
+        for rows in range(1, stage.max_rows + 1)
+        if select_kernel.one_wave(rows, width, dtype, stage.sms)
+    ]
 
 
 def warmup_keys(stage, attentions) -> list:
