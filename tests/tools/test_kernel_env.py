@@ -542,3 +542,25 @@ def _shim_main(tmp: str) -> None:
 
 if __name__ == "__main__":
     _shim_main(*sys.argv[1:])
+
+
+def test_verify_refuses_a_stage_from_another_patch_set(tmp_path):
+    """A stage made before patches/ changed is refused: a GPU run on it would
+    test the old hooks (a stage without the select's top-k hunk once ran
+    vLLM's top-k after the select)."""
+    _, stage = _shim()
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "series").write_text("0001-a.patch\n")
+    (patches / "0001-a.patch").write_text("one hunk\n")
+    sources = {}
+    for rel in stage.STOCK_FILES:
+        source = tmp_path / "tree" / rel
+        source.parent.mkdir(parents=True, exist_ok=True)
+        source.write_text(f"# {rel}\n")
+        sources[rel] = source
+    stage.stage(sources, tmp_path / "stock", patches)
+    assert stage.verify(tmp_path / "stock", patches).keys() == set(stage.STOCK_FILES)
+    (patches / "0001-a.patch").write_text("one hunk, edited\n")
+    with pytest.raises(ValueError, match="another patch set"):
+        stage.verify(tmp_path / "stock", patches)

@@ -325,7 +325,7 @@ def install(stock_dir: str | os.PathLike, repo_root: str | os.PathLike) -> None:
         if getattr(vllm, "__kernel_env__", None) == (stock, repo):
             return
         raise RuntimeError(f"{vllm!r} is already imported: install the shim first")
-    verify(stock)
+    verify(stock, repo / "patches")
     try:
         _build(stock, repo)
     except BaseException:

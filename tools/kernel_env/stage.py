@@ -10,9 +10,11 @@ contains ``vllm/``: an unpacked wheel or a site-packages after
 builds (``prepare.sh`` uses that one).
 
 The files in ``STOCK_FILES`` are copied verbatim to ``DEST/<same path>`` with
-``MANIFEST.json`` (their sha256), which ``shim.install`` verifies. A staged
-file that ``patches/base.json`` pins must differ from the pinned stock file
-(a patch touches it), so an unpatched tree is refused. Stdlib only.
+``MANIFEST.json`` (their sha256 and the patch set's), which ``shim.install``
+verifies. A staged file that ``patches/base.json`` pins must differ from the
+pinned stock file (a patch touches it), so an unpatched tree is refused; a
+stage made before ``patches/`` last changed is refused on load (a GPU run on
+it would test the old hooks). Stdlib only.
 """
 
 import argparse
@@ -52,6 +54,14 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def patches_digest(patches: Path) -> str:
+    """sha256 over every file in ``patches/`` (series, base.json, patches)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in patches.iterdir() if p.is_file()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def _pinned(patches: Path) -> dict[str, str]:
     """``{path: sha256}`` of the stock files the patch set touches, if pinned."""
     base = patches / "base.json"
@@ -84,19 +94,27 @@ def stage(
     for rel in STOCK_FILES:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(sources[rel], dest / rel)
-    manifest = {"files": files, "bytes": total}
+    manifest = {"files": files, "bytes": total, "patches": patches_digest(patches)}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return files
 
 
-def verify(stock_dir: Path) -> dict[str, str]:
-    """Check ``stock_dir`` against its manifest; return ``{rel: sha256}``."""
+def verify(stock_dir: Path, patches: Path = REPO / "patches") -> dict[str, str]:
+    """Check ``stock_dir`` against its manifest and the patch set in
+    ``patches``; return ``{rel: sha256}``."""
     manifest = stock_dir / MANIFEST
     if not manifest.is_file():
         raise FileNotFoundError(
             f"{manifest} not found: run tools/kernel_env/prepare.sh first"
         )
-    files = json.loads(manifest.read_text())["files"]
+    recorded = json.loads(manifest.read_text())
+    if recorded.get("patches") != patches_digest(patches):
+        raise ValueError(
+            f"{stock_dir} was staged from another patch set than {patches}"
+            f" (digest {recorded.get('patches')}, now {patches_digest(patches)});"
+            " run tools/kernel_env/prepare.sh again"
+        )
+    files = recorded["files"]
     for rel in STOCK_FILES:
         got = sha256(stock_dir / rel) if (stock_dir / rel).is_file() else "missing"
         if got != files.get(rel):
