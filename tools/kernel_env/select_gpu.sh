@@ -10,7 +10,7 @@
 # (default: all but stock)
 #
 # - fuzz: test_select_kernel.py's fuzz loops, KPOOL_FUZZ_CASES (10000) a dtype;
-# - sanitize: memcheck and racecheck over a few fuzz cases;
+# - sanitize: memcheck over 12 fuzz cases a dtype, racecheck over 5;
 # - ncu: one select launch at 1, 8 and 64 rows of 64K FP32 pools and 1 of BF16
 #   (--clock-control none), the sections that say where its time goes;
 # - steps: tools/indexer_steps.py --select, KPOOL_INDEXER_STEPS (1000) decode
@@ -39,8 +39,12 @@ for part in "${parts[@]}"; do
         >"$logs/select_fuzz.log" 2>&1 || status=1
       grep -E "select_topk|passed|failed" "$logs/select_fuzz.log" ;;
     sanitize)
-      KPOOL_SANITIZE_TOOLS=${KPOOL_SANITIZE_TOOLS:-memcheck racecheck} \
-        KPOOL_FUZZ_CASES=${KPOOL_SANITIZE_CASES:-12} \
+      # racecheck instruments every shared-memory access of 1024 threads: a
+      # few cases (the first five take each cluster size) and a longer bound.
+      KPOOL_SANITIZE_TOOLS=memcheck KPOOL_FUZZ_CASES=${KPOOL_SANITIZE_CASES:-12} \
+        tools/kernel_env/sanitize.sh select_matches || status=1
+      KPOOL_SANITIZE_TOOLS=racecheck KPOOL_FUZZ_CASES=${KPOOL_RACECHECK_CASES:-5} \
+        KPOOL_SANITIZE_TIMEOUT=${KPOOL_RACECHECK_TIMEOUT:-420} \
         tools/kernel_env/sanitize.sh select_matches || status=1 ;;
     ncu)
       for spec in "1 65536 float32" "8 65536 float32" "64 65536 float32" "1 65536 bfloat16"; do

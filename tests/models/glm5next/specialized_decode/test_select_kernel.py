@@ -365,6 +365,32 @@ def _ends(rows: int, width: int, rng: random.Random) -> list[int]:
     ]
 
 
+def _shape(dtype, clusters: Counter, rng: random.Random, device) -> tuple[int, int]:
+    """(rows, width) of a case, at most 2^23 logits (the reference sorts them).
+    The first cases take each cluster size in turn, so that a short run (the
+    sanitizer's dozen cases) launches all five; the rest are drawn freely."""
+    from vllm.models.glm5next.nvidia.specialized_decode.select_kernel import (
+        CLUSTERS,
+        cluster_for,
+        sm_count,
+    )
+
+    drawn = sum(clusters.values())
+    if drawn < len(CLUSTERS):
+        sms = sm_count(device)
+        shapes = [
+            (rows, width)
+            for width in WIDTHS + [WIDEST]
+            for rows in (1, 2, 3, 4, 8, 16, 33, 64, 256)
+            if rows * width <= 2**23
+            and cluster_for(rows, width, dtype, sms) == CLUSTERS[drawn]
+        ]
+        return rng.choice(shapes)
+    width = rng.choice(WIDTHS + [rng.randint(1, 70000), WIDEST])
+    rows = rng.choice([1, 2, 3, 8, 16, 33, 64, 256, rng.randint(1, 256)])
+    return max(1, min(rows, 2**23 // width)), width
+
+
 def _check_case(
     dtype, clusters: Counter, rng: random.Random, gen: torch.Generator
 ) -> str | None:
@@ -374,9 +400,7 @@ def _check_case(
     )
 
     device = gen.device
-    width = rng.choice(WIDTHS + [rng.randint(1, 70000), WIDEST])
-    rows = rng.choice([1, 2, 3, 8, 16, 33, 64, 256, rng.randint(1, 256)])
-    rows = max(1, min(rows, 2**23 // width))  # keeps the reference's sort small
+    rows, width = _shape(dtype, clusters, rng, device)
     vector = 4 if dtype == torch.float32 else 8
     pitch = width + (-width % vector) + vector * rng.choice([0, 0, 1, 16])
     storage = torch.empty(rows, pitch, dtype=dtype, device=device)
