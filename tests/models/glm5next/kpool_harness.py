@@ -38,6 +38,7 @@ from vllm.models.glm5next.nvidia.specialized_decode import (
     constants,
     fused_remap,
     install,
+    select_kernel,
     warmup,
 )
 from vllm.models.glm5next.nvidia.specialized_decode import stage as stage_module
@@ -722,7 +723,9 @@ def install_stage(
     from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 
     patch.delenv(constants.SELF_CHECK_ENV, raising=False)
+    # Both readers of the SM count: the stage's waves and the select's keys.
     patch.setattr(stage_module, "sm_count", lambda device: 132)
+    patch.setattr(select_kernel, "sm_count", lambda device: 132)
     config = make_config(scheduler_config__max_num_seqs=max_rows)
     config.additional_config[constants.SELF_CHECK_KEY] = self_check
     config.additional_config[constants.SELECT_KEY] = select

@@ -141,13 +141,16 @@ def test_rules_name_the_argument(cpu_kernels):
     from vllm.models.glm5next.nvidia.specialized_decode import jit
     from vllm.models.glm5next.nvidia.specialized_decode.select_kernel import (
         CAPACITIES,
+        MAX_K,
         SELECT,
         SelectArgs,
     )
 
-    def refused(args, name, expected):
-        with pytest.raises(jit.Refused, match=f"^{name}: expected {expected}"):
+    def refused(args, name, expected, got=None):
+        with pytest.raises(jit.Refused, match=f"^{name}: expected {expected}") as e:
             SELECT.key_for(args)
+        if got is not None:  # the message ends with what the argument was
+            assert str(e.value).endswith(f", got {got}"), e.value
 
     logits = torch.zeros(4, 256)
     ends = torch.zeros(4, dtype=torch.int32)
@@ -156,12 +159,16 @@ def test_rules_name_the_argument(cpu_kernels):
     )
     key = SELECT.key_for(SelectArgs(logits.bfloat16(), ends, K))
     assert key.dtype is torch.bfloat16
-    refused(SelectArgs(logits, ends, 0), "k", "an int in")
-    refused(SelectArgs(logits, ends, 4097), "k", "an int in")
+    for k in (1, MAX_K):  # the bounds are taken
+        assert SELECT.key_for(SelectArgs(logits, ends, k)).k == k
+    refused(SelectArgs(logits, ends, 0), "k", "an int in", 0)
+    refused(SelectArgs(logits, ends, MAX_K + 1), "k", "an int in", MAX_K + 1)
     refused(SelectArgs(logits, ends, True), "k", "an int in")
     refused(SelectArgs(logits.half(), ends, K), "logits", "fp32/bf16")
     refused(SelectArgs(logits[:, 1:], ends, K), "logits", "fp32/bf16")
-    refused(SelectArgs(logits.t(), ends, K), "logits", "fp32/bf16")
+    refused(
+        SelectArgs(logits.t(), ends, K), "logits", "fp32/bf16", jit.layout(logits.t())
+    )
     refused(SelectArgs(torch.zeros(4, 250)[:, :200], ends, K), "logits", "fp32")
     widest = 16 * CAPACITIES[-1]
     SELECT.key_for(SelectArgs(torch.zeros(1, widest).expand(4, -1), ends, K))
@@ -171,7 +178,7 @@ def test_rules_name_the_argument(cpu_kernels):
         f"at most {widest} columns",
     )
     refused(SelectArgs(logits, ends.long(), K), "ends", "int32")
-    refused(SelectArgs(logits, ends[:3], K), "ends", "int32")
+    refused(SelectArgs(logits, ends[:3], K), "ends", "int32", jit.layout(ends[:3]))
     refused(SelectArgs(logits, ends[::2], K), "ends", "int32")
     refused(SelectArgs(logits, ends.view(2, 2), K), "ends", "int32")
     out = torch.zeros(4, K, dtype=torch.int32)
@@ -180,8 +187,35 @@ def test_rules_name_the_argument(cpu_kernels):
     SELECT.key_for(SelectArgs(logits, ends, K, wide[:, :K]))  # a column slice
     refused(SelectArgs(logits, ends, K, out.long()), "out", "int32")
     refused(SelectArgs(logits, ends, K, out[:, : K - 1]), "out", "int32")
-    refused(SelectArgs(logits, ends, K, out[:3]), "out", "int32")
+    refused(SelectArgs(logits, ends, K, out[:3]), "out", "int32", jit.layout(out[:3]))
     refused(SelectArgs(logits, ends, K, wide[:, ::2][:, :K]), "out", "int32")
+
+
+def test_key_for_takes_the_devices_sm_count(cpu_kernels, monkeypatch):
+    """The key's cluster size comes from the logits' device's SMs, as the
+    warmup's keys do: 8 CTAs a row at 1 x 65536 pools on 132 SMs, the fewest
+    that fit (2) where there are none (a CPU tensor)."""
+    from vllm.models.glm5next.nvidia.specialized_decode import select_kernel
+    from vllm.models.glm5next.nvidia.specialized_decode.select_kernel import (
+        SELECT,
+        SelectArgs,
+    )
+
+    args = SelectArgs(torch.zeros(1, 65536), torch.zeros(1, dtype=torch.int32), K)
+    assert select_kernel.sm_count(torch.device("cpu")) == 0
+    assert SELECT.key_for(args).cluster == 2
+    monkeypatch.setattr(select_kernel, "sm_count", lambda device: 132)
+    assert SELECT.key_for(args).cluster == 8
+
+
+def test_sm_count_reads_the_device_index(monkeypatch):
+    from vllm.models.glm5next.nvidia.specialized_decode import select_kernel
+
+    monkeypatch.setattr(select_kernel, "_sm_count", lambda index: 100 + index)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    assert select_kernel.sm_count(torch.device("cuda")) == 105  # the current one
+    assert select_kernel.sm_count(torch.device("cuda", 0)) == 100
+    assert select_kernel.sm_count(torch.device("cuda", 3)) == 103
 
 
 def test_cluster_for_rows_and_width():

@@ -163,10 +163,12 @@ def one_wave(rows: int, width: int, dtype: torch.dtype, sms: int) -> bool:
 
 
 def sm_count(device: torch.device) -> int:
-    """The SMs of ``device``, read once; 0 for a device that is not CUDA."""
+    """The SMs of ``device`` (without an index: the current one), read once;
+    0 for a device that is not CUDA."""
     if device.type != "cuda":
         return 0
-    return _sm_count(device.index if device.index is not None else 0)
+    index = device.index
+    return _sm_count(torch.cuda.current_device() if index is None else index)
 
 
 def _check_layouts(a: SelectArgs) -> None:
@@ -556,10 +558,10 @@ class SelectTopkKernel(KpoolJitKernel["SelectTopkKernel.CompileKey", SelectArgs]
         logits = args.logits
         rows, width = logits.shape
         dtype = logits.dtype
-        index = logits.get_device()
-        # (CPU tensors reach here only in the CPU rule tests.)
-        sms = _sm_count(index) if index >= 0 else 132
-        cluster = cluster_for(rows, width, dtype, sms)
+        # The SMs the warmup derived its keys from (the stage asks the same).
+        # CPU tensors (0 SMs: the fewest CTAs that fit) reach here only in
+        # the CPU rule tests.
+        cluster = cluster_for(rows, width, dtype, sm_count(logits.device))
         return self.key(args.k, dtype, cluster, slice_capacity(width, dtype, cluster))
 
     def complete(self, args: SelectArgs) -> SelectArgs:
