@@ -141,3 +141,56 @@ def test_failed_warmup_strict_raises(monkeypatch, model):
     with pytest.raises(RuntimeError, match="no ptxas"):
         entry(model, "strict").compile_many([(ENTRY_KEY, id(model.stage))])
     assert not model.stage.warmed
+
+
+def _select_stage(max_rows: int):
+    from types import SimpleNamespace
+
+    pool_buffer = torch.zeros((max_rows, 2048), dtype=torch.int32)
+    return SimpleNamespace(pool_buffer=pool_buffer, max_rows=max_rows, sms=132)
+
+
+@pytest.mark.parametrize("width", [65536, 262144])
+@pytest.mark.parametrize("max_rows", [8, 70])
+def test_select_cases_are_each_row_count_of_one_wave(width, max_rows):
+    """Every row count from 1 to the stage's rows whose clusters fit one wave
+    (``LayerStep.select`` runs no other), at ``max_pool_len``, writing the
+    stage's pool buffer: one wave is 1-66 rows at 65536 pools, 1-16 at
+    262144."""
+    from types import SimpleNamespace
+
+    stage = _select_stage(max_rows)
+    indexer = SimpleNamespace(max_pool_len=width, topk_tokens=2048)
+    cases = warmup.select_cases(stage, indexer, torch.float32)
+    wave = 66 if width == 65536 else 16
+    assert [case.logits.shape[0] for case in cases] == list(
+        range(1, min(max_rows, wave) + 1)
+    )
+    for case in cases:
+        rows = case.logits.shape[0]
+        assert case.logits.shape == (rows, width) and case.k == 512
+        assert case.ends.shape == (rows,) and case.ends.dtype is torch.int32
+        assert case.out.data_ptr() == stage.pool_buffer.data_ptr()
+        assert case.out.shape == (rows, 512)
+    del indexer.max_pool_len  # no logits width: nothing compiles, stock runs
+    assert warmup.select_cases(stage, indexer, torch.float32) == []
+
+
+def test_layer_step_selects_up_to_the_stages_rows(monkeypatch):
+    """The select takes a step of exactly the stage's rows, not one more."""
+    from types import SimpleNamespace
+
+    from vllm.models.glm5next.nvidia.specialized_decode import stage as stage_module
+
+    taken = []
+    monkeypatch.setattr(
+        stage_module.SELECT, "run_if_ready", lambda args: taken.append(args) or args
+    )
+    stage = SimpleNamespace(**vars(_select_stage(max_rows=4)), select=True)
+    step = stage_module.LayerStep(stage, remap=object(), k=512)
+    ends = torch.zeros(5, dtype=torch.int32)
+    assert step.select(torch.zeros((4, 65536)), ends[:4]) and step.selected
+    assert taken[-1].out.shape == (4, 512)
+    step = stage_module.LayerStep(stage, remap=object(), k=512)
+    assert not step.select(torch.zeros((5, 65536)), ends) and not step.selected
+    assert len(taken) == 1
