@@ -55,7 +55,9 @@ def sha256(path: Path) -> str:
 
 
 def patches_digest(patches: Path) -> str:
-    """sha256 over every file in ``patches/`` (series, base.json, patches)."""
+    """sha256 over every file in ``patches/`` (series, base.json, patches).
+    Not ``Patchset.digest``: that covers the fork's added ``vllm/`` files too,
+    which the stage does not hold, so every kernel edit would void it."""
     h = hashlib.sha256()
     for path in sorted(p for p in patches.iterdir() if p.is_file()):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
