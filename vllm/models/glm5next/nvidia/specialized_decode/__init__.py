@@ -4,14 +4,15 @@
 kpool sparse indexer's decode path, enabled by
 ``additional_config={"decode_backend": "latency_specialized"}``.
 
-- ``kpool.py``: the public module (the four kernel functions, ``KpoolStage``,
+- ``kpool.py``: the public module (the kernel functions, ``KpoolStage``,
   ``FusedRemap``);
-- ``install.py``: ``install()`` at model build and the process's registry of
-  stages; ``config.py``: the settings and requirements;
-- ``stage.py``: one engine's stage (planned steps in ``steps.py``, the fused
-  conversion in ``fused_remap.py``); ``warmup.py`` and ``self_check.py``: its
-  JIT warmup;
-- ``*_kernel.py``: one kernel each (its arguments, rule and compile key,
-  device code); ``jit.py``: how they compile and launch; ``ptx.py``: device
-  helpers; ``constants.py``: the shared numbers and names.
+- ``config.py``: the settings and requirements;
+- ``cutedsl/<op>/``: one kernel each, its device code (``kernel.py``) and
+  its host side (``launch.py``: what it takes, its compile key, its
+  launch); ``cutedsl/common/``: device helpers and the shared host side;
+- ``runtime/``: the stage (``stage.py``: routing and state;
+  ``steps.py``: planned steps; ``remap.py``: the fused conversion), its
+  installation and JIT warmup;
+- ``cases.py`` and ``self_check.py``: the kernels' randomized cases and the
+  warmup's check against the stock kernels.
 """

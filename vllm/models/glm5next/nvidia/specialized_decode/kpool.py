@@ -5,45 +5,36 @@ Triton kernels of ``ops/kpool_compress.py``, ``as_fp32_logits`` and the
 sparse MLA index conversion, and the stage that runs them in planned decode
 steps (``KpoolStage``, ``FusedRemap``).
 
-Each function takes what its kernel's rule (``key_for`` in its
-``*_kernel.py``) admits and raises ``ValueError`` naming the argument
-otherwise; the stage sends such inputs, and any whose kernel its warmup did
-not compile, to the stock function. A function compiles a kernel variant on
-first use (never inside a CUDA graph capture); launches go through TVM-FFI on
-torch's current stream, with PDL.
+Each function takes what its kernel's rule (``check`` in
+``cutedsl/<op>/launch.py``) admits and raises ``Refused`` (a
+``ValueError``) naming the argument otherwise; the stage sends such inputs,
+and any whose kernel its warmup did not compile and check, to the stock
+function. A function compiles a kernel variant on first use (never inside
+a CUDA graph capture); launches go through TVM-FFI on torch's current
+stream, with PDL.
 
-One function is not bit for bit: ``select_topk`` (``select_kernel.py``), the
-pool top-k, gives the set of stock's decode top-k in its own stated order
-and tie choice; the stage runs it only where the deployment opts in
-(``kpool_select``).
+One function is not bit for bit: ``select_topk``, the pool top-k, gives the
+set of stock's decode top-k in its own stated order and tie choice
+(``cutedsl/select/kernel.py``); the stage runs it only where the deployment
+opts in (``kpool_select``).
 """
 
 import torch
 
-from vllm.models.glm5next.nvidia.specialized_decode.constants import DIM
-from vllm.models.glm5next.nvidia.specialized_decode.expand_kernel import (
-    EXPAND,
-    ExpandArgs,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.fused_remap import FusedRemap
-from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import (
-    REMAP,
-    RemapArgs,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.select_kernel import select_topk
-from vllm.models.glm5next.nvidia.specialized_decode.stage import KpoolStage
-from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import (
-    UPCAST,
-    UpcastArgs,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.update_kernel import (
-    UPDATE,
-    UpdateArgs,
-)
+from .constants import DIM
+from .cutedsl.common.host import Refused
+from .cutedsl.expand.launch import EXPAND
+from .cutedsl.remap.launch import REMAP
+from .cutedsl.select.launch import SELECT
+from .cutedsl.upcast.launch import UPCAST
+from .cutedsl.update.launch import UPDATE
+from .runtime.remap import FusedRemap
+from .runtime.stage import KpoolStage
 
 __all__ = [
     "FusedRemap",
     "KpoolStage",
+    "Refused",
     "expand_and_remap",
     "expand_pools",
     "kpool_update",
@@ -69,21 +60,19 @@ def kpool_update(
     """``kpool_decode_update_and_maybe_write_cache_batched`` for ``head_dim``
     128 with the same arguments; ``mx_scales`` is what the stock kernel reads
     from ``mqa_logits_use_mx_scales()`` (UE8M0 bytes, else FP32 scales)."""
-    UPDATE.run(
-        UpdateArgs(
-            kv_cache,
-            tail_kv_cache,
-            tail_slot_mapping,
-            key,
-            slot_score,
-            ape,
-            slot_mapping,
-            positions,
-            pool_size,
-            DIM,
-            mx_scales,
-            round_scale,
-        )
+    UPDATE(
+        kv_cache=kv_cache,
+        tail_kv_cache=tail_kv_cache,
+        tail_slot_mapping=tail_slot_mapping,
+        key=key,
+        slot_score=slot_score,
+        ape=ape,
+        slot_mapping=slot_mapping,
+        positions=positions,
+        pool_size=pool_size,
+        head_dim=DIM,
+        mx_scales=mx_scales,
+        round_scale=round_scale,
     )
 
 
@@ -97,8 +86,13 @@ def expand_pools(
 ) -> torch.Tensor:
     """``expand_pools_and_append_tail(..., seq_offset=, out=)`` for int32 pool
     ids: writes the ``pools * 4 + 3`` first columns of ``out`` and returns it."""
-    EXPAND.run(ExpandArgs(pool_ids, seq_lens, pool_size, seq_offset, out))
-    return out
+    return EXPAND(
+        pool_ids=pool_ids,
+        seq_lens=seq_lens,
+        pool_size=pool_size,
+        seq_offset=seq_offset,
+        out=out,
+    )
 
 
 def expand_and_remap(
@@ -120,19 +114,17 @@ def expand_and_remap(
     where ``logical`` (``out``'s shape) holds, in its first
     ``pool_ids.shape[0]`` rows, ``expand_pools_and_append_tail(pool_ids,
     positions, pool_size, seq_offset=seq_offset)`` and -1 everywhere else."""
-    REMAP.run(
-        RemapArgs(
-            pool_ids,
-            positions,
-            pool_size,
-            req_ids,
-            block_table,
-            out,
-            counts,
-            block_size,
-            stride_rows,
-            seq_offset,
-        )
+    REMAP(
+        pool_ids=pool_ids,
+        positions=positions,
+        pool_size=pool_size,
+        req_ids=req_ids,
+        block_table=block_table,
+        out=out,
+        counts=counts,
+        block_size=block_size,
+        stride_rows=stride_rows,
+        seq_offset=seq_offset,
     )
 
 
@@ -142,4 +134,17 @@ def upcast_logits(
     """``as_fp32_logits`` of BF16 logits: the columns below each row end in
     FP32, in ``out`` if given (else a new tensor with the strides of
     ``logits``), the other columns untouched."""
-    return UPCAST.run(UpcastArgs(logits, row_ends, out)).out
+    return UPCAST(logits=logits, row_ends=row_ends, out=out)
+
+
+def select_topk(
+    logits: torch.Tensor,
+    ends: torch.Tensor,
+    k: int,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The exact top ``k`` columns of each row of ``logits`` below
+    ``ends[row]`` (``cutedsl/select/kernel.py`` states the contract), into
+    ``out`` if given, else a new int32 [rows, k] tensor, which it returns."""
+    return SELECT(logits=logits, ends=ends, k=k, out=out)

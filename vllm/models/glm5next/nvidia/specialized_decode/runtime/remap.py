@@ -1,55 +1,40 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The fused expand + remap as a sparse MLA index group's conversion: which
-groups can take it, and the conversion itself (``FusedRemap``)."""
+"""The fused expand + remap as a sparse MLA index group's conversion
+(``SparseMLAIndexGroup.conversion``, patch 0005): which groups can take it,
+and the conversion itself (``FusedRemap``)."""
 
 from typing import NamedTuple
 
 import torch
 
 from vllm.forward_context import in_piecewise_cudagraph
-from vllm.models.glm5next.nvidia.specialized_decode.constants import POOL
-from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import (
-    REMAP,
-    RemapArgs,
+from vllm.model_executor.layers.attention.sparse_mla_attention import (
+    SparseMLACommonImpl,
 )
 from vllm.utils.torch_utils import current_stream
 from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
-# The decode paths (``forward_mqa``) that convert the top-k of decode-only
-# steps through the index group, where a deferred top-k is expanded: the
-# shared sparse MLA decode (FlashInfer SM100; FlashAttention's with patch
-# 0005's flag), FlashMLA's, and FlashInfer SM90's with patch 0005's flag.
-# Any other forward_mqa may read the logical rows a deferral leaves unset.
-GROUP_CONVERTING_DECODES = frozenset(
-    {
-        (
-            "vllm.model_executor.layers.attention.sparse_mla_attention",
-            "SparseMLACommonImpl.forward_mqa",
-        ),
-        (
-            "vllm.v1.attention.backends.mla.flashmla_sparse",
-            "FlashMLASparseImpl.forward_mqa",
-        ),
-        (
-            "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90",
-            "FlashInferMLASparseSM90Impl.forward_mqa",
-        ),
-    }
-)
+from ..constants import POOL
+from ..cutedsl.remap.launch import REMAP
 
 
-def converts_through_group(impl) -> bool:
-    """Whether ``impl``'s decode-only steps convert the top-k through its
-    index group once ``convert_decode_through_index_group`` is set (patch
-    0005), by the identity of its ``forward_mqa``."""
-    forward = getattr(type(impl), "forward_mqa", None)
-    name = (
-        getattr(forward, "__module__", None),
-        getattr(forward, "__qualname__", None),
+def group_converting_decodes() -> tuple:
+    """The ``forward_mqa`` of the decode paths that convert the top-k of
+    decode-only steps through the index group, where a deferred top-k is
+    expanded: the shared sparse MLA decode (FlashInfer SM100; FlashAttention's
+    with patch 0005's flag), FlashMLA's, and FlashInfer SM90's with patch
+    0005's flag. Any other ``forward_mqa`` may read the logical rows a
+    deferral leaves unset."""
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 import (
+        FlashInferMLASparseSM90Impl,
     )
-    return name in GROUP_CONVERTING_DECODES and hasattr(
-        type(impl), "convert_decode_through_index_group"
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
+
+    return (
+        SparseMLACommonImpl.forward_mqa,
+        FlashMLASparseImpl.forward_mqa,
+        FlashInferMLASparseSM90Impl.forward_mqa,
     )
 
 
@@ -62,7 +47,8 @@ def why_not_fusable(impl, group) -> str | None:
         (getattr(group, "num_layers", 0) == 1, "more than one layer"),
         (getattr(impl, "dcp_world_size", 1) == 1, "decode context parallel"),
         (
-            converts_through_group(impl),
+            isinstance(impl, SparseMLACommonImpl)
+            and type(impl).forward_mqa in group_converting_decodes(),
             f"{type(impl).__name__} converts the logical top-k rows itself",
         ),
     )
@@ -88,8 +74,8 @@ class Deferred(NamedTuple):
 
 
 class FusedRemap:
-    """A sparse MLA index group's ``_convert_once`` that expands a deferred
-    pool top-k and remaps it in one kernel, on the group's side stream as the
+    """A sparse MLA index group's ``conversion`` that expands a deferred pool
+    top-k and remaps it in one kernel, on the group's side stream as the
     stock conversion, with or without counts. It mirrors the stock decode:
     ``expand_pools_and_append_tail`` of ``positions.to(torch.int32) + 1``,
     then ``triton_convert_req_index_to_global_index``. Without a deferred
@@ -102,7 +88,6 @@ class FusedRemap:
 
     def __init__(self, group: SparseMLAIndexGroup, stage):
         self.group, self.stage = group, stage
-        self.stock = group._convert_once
         self.pending: Deferred | None = None
 
     def hand_over(self, deferred: Deferred) -> None:
@@ -118,32 +103,26 @@ class FusedRemap:
 
     def __call__(
         self,
-        layer_index,
-        logical,
-        req_ids,
-        block_table,
-        block_size,
+        stock,
+        layer_index: int,
+        logical: torch.Tensor,
+        req_ids: torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
         *,
-        block_stride_rows,
-        return_valid_counts,
-        idx_mapping=None,
+        block_stride_rows: int | None,
+        return_valid_counts: bool,
     ):
         pending, self.pending = self.pending, None
-        kwargs = dict(
-            block_stride_rows=block_stride_rows,
-            return_valid_counts=return_valid_counts,
-        )
-        if idx_mapping is not None:
-            kwargs["idx_mapping"] = idx_mapping
         if pending is not None:
-            if layer_index == 0 and idx_mapping is None:
-                fused = self._fused(
+            if layer_index == 0:
+                fused = self.fused(
                     pending,
                     logical.shape[0],
                     req_ids,
                     block_table,
                     block_size,
-                    block_stride_rows,
+                    block_size if block_stride_rows is None else block_stride_rows,
                     return_valid_counts,
                 )
                 if fused is not None:
@@ -153,39 +132,46 @@ class FusedRemap:
             # them; the side stream of the stock conversion waits on it).
             self.stage.materialize(pending, logical)
             self.group.set_logical_topk_ready(layer_index)
-        return self.stock(
-            layer_index, logical, req_ids, block_table, block_size, **kwargs
+        return stock(
+            layer_index,
+            logical,
+            req_ids,
+            block_table,
+            block_size,
+            block_stride_rows=block_stride_rows,
+            return_valid_counts=return_valid_counts,
         )
 
-    def _fused(
+    def fused(
         self,
         pending: Deferred,
         rows: int,
         req_ids,
         block_table,
-        block_size,
-        block_stride_rows,
-        return_valid_counts,
+        block_size: int,
+        stride_rows: int,
+        counts: bool,
     ):
-        """The fused conversion's result, or None where it does not apply."""
+        """The fused conversion's result, or None where the stage's remap
+        does not take it (the caller converts stock)."""
         group = self.group
         if rows > group.physical_topk_indices.shape[0]:
             return None
-        args = RemapArgs(
-            pending.pool_ids,
-            pending.positions,
-            POOL,
-            req_ids,
-            block_table,
-            group.physical_topk_indices[:rows],
-            group.valid_topk_counts[:rows] if return_valid_counts else None,
-            block_size,
-            block_size if block_stride_rows is None else block_stride_rows,
+        arguments = dict(
+            pool_ids=pending.pool_ids,
+            positions=pending.positions,
+            pool_size=POOL,
+            req_ids=req_ids,
+            block_table=block_table,
+            out=group.physical_topk_indices[:rows],
+            counts=group.valid_topk_counts[:rows] if counts else None,
+            block_size=block_size,
+            stride_rows=stride_rows,
             seq_offset=1,
             int32_lengths=True,
         )
-        executor = REMAP.executor_for(args)
-        if executor is None:
+        launch = self.stage.prepare(REMAP, **arguments)
+        if launch is None:
             return None
         compute_stream = current_stream()
         if not in_piecewise_cudagraph():
@@ -193,7 +179,8 @@ class FusedRemap:
         else:
             group.side_stream.wait_stream(compute_stream)
         with group.side_stream:
-            REMAP.launch(executor, args)
+            launch()
             group.physical_topk_ready.record(group.side_stream)
         compute_stream.wait_event(group.physical_topk_ready)
-        return (args.out, args.counts) if return_valid_counts else args.out
+        out, counts_out = arguments["out"], arguments["counts"]
+        return (out, counts_out) if counts else out

@@ -11,16 +11,14 @@ replay, in the step's own forward context).
 
 import weakref
 
-# The attention metadata a planned step's layers may carry, by class name
-# (as vLLM 0.33.0 and the kernel-only environment both define them): the
-# indexer's (DSA layers, their tail caches) and MLA's (the sparse MLA
-# backends' metadata derive from it). Any other type makes the step
-# unplanned: the stage cannot tell its prefills from its decodes.
-ACCEPTED_METADATA = frozenset({"DeepseekV32IndexerMetadata", "MLACommonMetadata"})
+from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
+from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadata
 
-
-def _accepted(metadata) -> bool:
-    return any(cls.__name__ in ACCEPTED_METADATA for cls in type(metadata).__mro__)
+# The attention metadata a planned step's layers may carry: the indexer's
+# (DSA layers, their tail caches) and MLA's (the sparse MLA backends' derive
+# from it). Any other type makes the step unplanned: the stage cannot tell
+# its prefills from its decodes.
+ACCEPTED_METADATA = (DeepseekV32IndexerMetadata, MLACommonMetadata)
 
 
 class PlannedSteps:
@@ -55,7 +53,7 @@ class PlannedSteps:
         decodes = False
         described = (m for name, m in metadata.items() if name not in self.ignored)
         for layer_metadata in {id(m): m for m in described}.values():
-            if not _accepted(layer_metadata):
+            if not isinstance(layer_metadata, ACCEPTED_METADATA):
                 return False
             tokens = layer_metadata.num_decode_tokens
             if layer_metadata.num_prefills > 0 or tokens > self.max_rows:

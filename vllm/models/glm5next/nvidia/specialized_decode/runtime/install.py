@@ -12,18 +12,16 @@ refers to it, so a stage leaves the registry with its model.
 import weakref
 
 from vllm.logger import init_logger
-from vllm.models.glm5next.nvidia.specialized_decode.config import (
-    decode_capacity,
-    specialized_decode_config,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.constants import STAGE
+
+from ..config import STAGE, decode_capacity, specialized_decode_config
 
 logger = init_logger(__name__)
 
 
-class KpoolStages:
-    """The installed stages of this process, by the data pointer of their
-    model's indexer top-k buffer (``sparse_indexer.SPECIALIZED_KPOOL``)."""
+class StageRegistry:
+    """The installed kpool stages of this process, by the data pointer of
+    their model's indexer top-k buffer (``sparse_indexer.SPECIALIZED_KPOOL``
+    holds it)."""
 
     def __init__(self) -> None:
         self.by_buffer: weakref.WeakValueDictionary[int, object] = (
@@ -40,8 +38,8 @@ class KpoolStages:
         self.by_buffer[key] = stage
 
     def decode_step(self, metadata, layer, positions, topk_tokens, pool_size, buffer):
-        """Patch 0002's call: the stage of the model ``buffer`` belongs to
-        decides (None: stock)."""
+        """Patch 0002's call: the ``LayerStep`` of the stage of the model
+        ``buffer`` belongs to, or None (stock)."""
         stage = self.by_buffer.get(buffer.data_ptr())
         if stage is None:
             return None
@@ -50,12 +48,12 @@ class KpoolStages:
         )
 
 
-def registry() -> KpoolStages:
+def registry() -> StageRegistry:
     """The process's registry, created in the indexer module on first use."""
     from vllm.models.glm5next.nvidia import sparse_indexer
 
     if sparse_indexer.SPECIALIZED_KPOOL is None:
-        sparse_indexer.SPECIALIZED_KPOOL = KpoolStages()
+        sparse_indexer.SPECIALIZED_KPOOL = StageRegistry()
     return sparse_indexer.SPECIALIZED_KPOOL
 
 
@@ -63,8 +61,9 @@ def install(vllm_config, attentions):
     """Installs the ``dsa_kpool`` stage on the GLM-5-Next model's DSA
     attention layers (``Glm5NextMLAAttention`` with an indexer, the main model
     only) when the deployment asks for it: builds the ``KpoolStage``, adds it
-    to the registry, registers its warmup and logs what is on. Returns the
-    stage, or None (stock decode)."""
+    to the registry, registers its JIT warmup and logs what a planned step
+    runs. Returns the stage, or None (stock decode). The stage plans no step
+    before its warmup compiled and self-checked its kernels."""
     config = specialized_decode_config(vllm_config)
     if config is None:
         return None
@@ -76,39 +75,30 @@ def install(vllm_config, attentions):
         )
         return None
 
-    from vllm.models.glm5next.nvidia.specialized_decode.stage import KpoolStage
-    from vllm.models.glm5next.nvidia.specialized_decode.warmup import KpoolWarmup
+    from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
+
+    from .stage import KpoolStage
+    from .warmup import StageWarmup
 
     max_rows = decode_capacity(vllm_config)
     buffer = attentions[0].indexer.topk_indices_buffer
-    stage = KpoolStage(attentions, max_rows, buffer.device, select=config.select)
+    stage = KpoolStage(
+        attentions,
+        max_rows,
+        buffer.device,
+        mx_scales=mqa_logits_use_mx_scales(),
+        select=config.select,
+    )
     registry().add(stage, buffer)
-    registered = _register_warmup(KpoolWarmup(stage, attentions, config.self_check))
-    (logger.info if registered else logger.warning)(
-        "GLM-5-Next specialized decode: %s %s, for decode-only steps of up to "
-        "%d rows; attention backend %s; DSA layers: %s.",
+    warmup = StageWarmup(stage, attentions, config.self_check, config.self_check_seed)
+    warmup.register_warmup()
+    logger.info(
+        "GLM-5-Next specialized decode: %s installed for decode-only steps of "
+        "up to %d rows, on once the JIT warmup compiled and self-checked its "
+        "kernels; attention backend %s; DSA layers: %s.",
         STAGE,
-        "on, compiled at JIT warmup"
-        if registered
-        else "off: no JIT warmup registry compiles its kernels",
         max_rows,
         type(attentions[0].mla_attn.mla_attn.impl).__name__,
         "; ".join(stage.engagement(attentions)),
     )
     return stage
-
-
-def _register_warmup(warmup) -> bool:
-    """Registers the stage's warmup with the model runner's JIT warmup;
-    False where none collects it (no CUDA, or a model built outside a
-    runner), and the stage then never plans a step."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        return False
-    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
-
-    if JitWarmupRegistry._active.get() is None:
-        return False
-    JitWarmupRegistry.register(warmup)  # type: ignore[arg-type]
-    return True

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``kpool_decode_update_and_maybe_write_cache_batched`` as a CuTe DSL kernel:
-the decode tail stash plus pool compression.
+"""``kpool_decode_update_and_maybe_write_cache_batched``: the decode tail
+stash plus pool compression.
 
 One warp per request walks its tokens in position order (a completing token
 reads the stashes of the earlier ones), four dimensions per lane. The softmax,
@@ -12,25 +12,13 @@ and ``div.full`` divisions. Positions, slots and tail slots are widened to
 int64 as the stock kernel computes them.
 """
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import torch
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
-from cutlass.cute.runtime import make_fake_tensor
+from cutlass import Float32, Int32, Int64, Uint32
 
-from vllm.models.glm5next.nvidia.specialized_decode.constants import DIM, POOL
-from vllm.models.glm5next.nvidia.specialized_decode.jit import (
-    INDEX_TYPES,
-    KpoolJitKernel,
-    TensorFields,
-    layout,
-    mismatch,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
+from ...constants import DIM, POOL
+from ..common.ptx import (
     add,
     bits_float,
     ceil,
@@ -52,110 +40,10 @@ INV_SQRT_DIM = 0.08838834764831845  # 1/sqrt(128), exact in FP32
 INF_EXPONENT = 128
 
 
-class UpdateArgs(NamedTuple):
-    """The arguments of ``kpool_decode_update_and_maybe_write_cache_batched``
-    and what the stock kernel reads besides them: ``mx_scales`` is its
-    ``mqa_logits_use_mx_scales()``."""
-
-    kv_cache: torch.Tensor
-    tail_kv_cache: torch.Tensor
-    tail_slot_mapping: torch.Tensor
-    key: torch.Tensor
-    slot_score: torch.Tensor
-    ape: torch.Tensor
-    slot_mapping: torch.Tensor
-    positions: torch.Tensor
-    pool_size: int
-    head_dim: int = DIM
-    mx_scales: bool = True
-    round_scale: bool = True
-
-
-_TENSORS = TensorFields(UpdateArgs, UpdateArgs._fields[:8])
-_INDICES = ("tail_slot_mapping", "slot_mapping", "positions")
-
-
-def _check_layouts(a: UpdateArgs) -> None:
-    """What the kernel's 4- and 8-byte accesses and its warp per request
-    take; each tensor's layout is read once (this runs before every eager
-    launch)."""
-    if a.head_dim != DIM:
-        raise mismatch("head_dim", str(DIM), a.head_dim)
-    if a.pool_size != POOL:
-        raise mismatch("pool_size", str(POOL), a.pool_size)
-    kv_cache, tail = a.kv_cache, a.tail_kv_cache
-    cache = kv_cache.stride()
-    if (
-        kv_cache.dtype is not torch.uint8
-        or len(cache) != 3
-        or cache[2] != 1
-        or cache[0] % 4
-        or kv_cache.data_ptr() % 4
-    ):
-        raise mismatch(
-            "kv_cache",
-            "uint8 [blocks, page, bytes], 4-byte aligned pages",
-            layout(kv_cache),
-        )
-    shape, stride = tail.shape, tail.stride()
-    if (
-        tail.dtype is not torch.bfloat16
-        or len(shape) != 4
-        or shape[1] != 2
-        or shape[2] % POOL
-        or shape[3] != DIM
-        or stride[3] != 1
-        or stride[2] != DIM
-        or stride[1] % 4
-        or stride[0] % 4
-        or tail.data_ptr() % 8
-    ):
-        raise mismatch(
-            "tail_kv_cache",
-            "bf16 [blocks, 2, ring, 128], ring a multiple of 4, 8-byte aligned rows",
-            layout(tail),
-        )
-    rows = a.key.shape
-    if a.key.dtype is not torch.bfloat16 or len(rows) != 3 or rows[2] != DIM:
-        raise mismatch("key", "bf16 [requests, tokens, 128]", layout(a.key))
-    for name in ("key", "slot_score"):
-        t = getattr(a, name)
-        stride = t.stride()
-        if (
-            t.dtype is not torch.bfloat16
-            or t.shape != rows
-            or stride[2] != 1
-            or stride[1] % 4
-            or stride[0] % 4
-            or t.data_ptr() % 8
-        ):
-            raise mismatch(
-                name,
-                "bf16 [requests, tokens, 128] as key, unit dim stride, "
-                "8-byte aligned rows",
-                layout(t),
-            )
-    ape = a.ape
-    if (
-        ape.dtype is not torch.float32
-        or ape.shape != (POOL, DIM)
-        or ape.stride() != (DIM, 1)
-        or ape.data_ptr() % 16
-    ):
-        raise mismatch("ape", "a contiguous fp32 [4, 128]", layout(ape))
-    tokens = rows[:2]
-    for name in _INDICES:
-        t = getattr(a, name)
-        if t.dtype not in INDEX_TYPES or t.shape != tokens or not t.is_contiguous():
-            raise mismatch(
-                name, "a contiguous int32/int64 [requests, tokens]", layout(t)
-            )
-
-
-class _UpdateKernel:
+class KpoolUpdate:
     """One warp per request; lane ``l`` owns dimensions ``4l .. 4l + 3``."""
 
-    def __init__(self, key: "KpoolUpdateKernel.CompileKey"):
+    def __init__(self, key):
         assert key.ring % POOL == 0 and key.page_bytes % 4 == 0
         self.ring, self.page, self.page_bytes = key.ring, key.page, key.page_bytes
         self.tail_block, self.tail_half = key.tail_block, key.tail_half
@@ -310,91 +198,3 @@ def _bf16x4(words):
     a, b = unpack_bf16(words[0])
     c, d = unpack_bf16(words[1])
     return [a, b, c, d]
-
-
-class KpoolUpdateKernel(KpoolJitKernel["KpoolUpdateKernel.CompileKey", UpdateArgs]):
-    """The compiled ``_UpdateKernel`` executors, one per cache layout, scale
-    format and index dtypes."""
-
-    @dataclass(frozen=True)
-    class CompileKey:
-        ring: int
-        page: int
-        page_bytes: int  # kv_cache.stride(0)
-        tail_block: int  # tail_kv_cache.stride(0)
-        tail_half: int  # tail_kv_cache.stride(1)
-        mx_scales: bool
-        round_scale: bool
-        tail_slots_dtype: torch.dtype
-        slots_dtype: torch.dtype
-        positions_dtype: torch.dtype
-
-    def key_for(self, args: UpdateArgs) -> CompileKey:
-        _TENSORS.check(args)
-        _check_layouts(args)
-        kv, tail = args.kv_cache, args.tail_kv_cache
-        return self.key(
-            tail.shape[2],
-            kv.shape[1],
-            kv.stride(0),
-            tail.stride(0),
-            tail.stride(1),
-            bool(args.mx_scales),
-            bool(args.round_scale),
-            args.tail_slot_mapping.dtype,
-            args.slot_mapping.dtype,
-            args.positions.dtype,
-        )
-
-    def executor_args(self, args: UpdateArgs) -> tuple | None:
-        rows = args.key.shape
-        return args[:8] if rows[0] and rows[1] else None
-
-    @staticmethod
-    def kernel(compile_key: CompileKey) -> _UpdateKernel:
-        return _UpdateKernel(compile_key)
-
-    def warmup_inputs(self, compile_key: CompileKey) -> tuple:
-        requests, tokens = cute.sym_int(), cute.sym_int()
-        rows = (requests, tokens)
-
-        def indices(dtype):
-            return make_fake_tensor(
-                INDEX_TYPES[dtype], rows, (cute.sym_int64(), 1), assumed_align=4
-            )
-
-        def rows_of_dims():
-            return make_fake_tensor(
-                BFloat16,
-                (*rows, DIM),
-                (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1),
-                assumed_align=8,
-            )
-
-        k = compile_key
-        cache = make_fake_tensor(
-            Uint8,
-            (cute.sym_int(), k.page, cute.sym_int()),
-            (cute.sym_int64(divisibility=4), cute.sym_int64(), 1),
-            assumed_align=4,
-        )
-        tail = make_fake_tensor(
-            BFloat16,
-            (cute.sym_int(), 2, k.ring, DIM),
-            (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), DIM, 1),
-            assumed_align=8,
-        )
-        ape = make_fake_tensor(Float32, (POOL, DIM), (DIM, 1), assumed_align=16)
-        return (
-            cache,
-            tail,
-            indices(k.tail_slots_dtype),
-            rows_of_dims(),
-            rows_of_dims(),
-            ape,
-            indices(k.slots_dtype),
-            indices(k.positions_dtype),
-        )
-
-
-UPDATE = KpoolUpdateKernel()

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The pool top-k ("select") as a CuTe DSL kernel: the exact top ``k``
-columns of each logits row below its end, by value, in ascending column
-order. It stands in for ``get_indexer_topk(backend)(logits, lengths,
-next_n, out, k, max_seq_len)`` of GLM-5-Next's decode (vLLM's
-``cooperative_topk`` / ``persistent_topk``), with the same set and a stated
-order where stock's is its atomics' (docs/select-contract.md):
+"""The pool top-k ("select"): the exact top ``k`` columns of each logits
+row below its end, by value, in ascending column order. It stands in for
+``get_indexer_topk(backend)(logits, lengths, next_n, out, k, max_seq_len)``
+of GLM-5-Next's decode (vLLM's ``cooperative_topk`` / ``persistent_topk``),
+with the same set and a stated order where stock's is its atomics'
+(docs/select-contract.md):
 
 - Row ``r``'s valid columns are ``[0, end)``, ``end = clamp(ends[r], 0,
   width)`` (stock reads past the row for a longer end and takes nothing for
@@ -40,27 +40,14 @@ compaction writes column ``c`` at ``above_c + min(equal_c, need)`` with no
 further cluster barrier.
 """
 
-import functools
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
-from cutlass.cute.runtime import make_fake_tensor
+from quack.utils import warp_prefix_sum
 
-from vllm.models.glm5next.nvidia.specialized_decode.jit import (
-    KpoolJitKernel,
-    TensorFields,
-    layout,
-    mismatch,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
-    inline_ptx,
-    load_words_if,
-)
+from ..common.ptx import inline_ptx, load_words_if
 
 THREADS = 1024
 WARPS = THREADS // 32
@@ -68,148 +55,19 @@ WARPS = THREADS // 32
 # histogram sum of a wider digit costs more than the pass it saves.
 DIGITS = {torch.float32: (8, 8, 8, 8), torch.bfloat16: (8, 8)}
 BINS = 256
-# The k a compile key takes (stock's decode top-k serves 512, 1024, 2048).
-MAX_K = 4096
 # Keys a CTA holds in shared memory: the smallest entry that holds its
 # slice (the compile key's ``capacity``, each a multiple of the 4096-column
 # tile); 53248 keys (208 KiB) plus the histograms stay under 227 KiB.
 CAPACITIES = (4096, 8192, 16384, 32768, 53248)
-CLUSTERS = (1, 2, 4, 8, 16)
-# Rows 16-CTA clusters take: about 7 of them fit the H200's GPCs at once.
-MAX_ROWS_16 = 4
-# A slice is not split below this many keys: smaller ones cost more in
-# cluster barriers than they save in passes.
-MIN_SLICE = 8192
 # 16 bytes a thread loads at once: 4 FP32 or 8 BF16 columns.
-_DTYPES = {torch.float32: Float32, torch.bfloat16: BFloat16}
-_VECTOR = {torch.float32: 4, torch.bfloat16: 8}
+DTYPES = {torch.float32: Float32, torch.bfloat16: BFloat16}
+VECTOR = {torch.float32: 4, torch.bfloat16: 8}
 _KEY_BITS = {torch.float32: 32, torch.bfloat16: 16}
 # Keys a thread takes from shared memory at once (one 16-byte load).
 _GROUP = 4
 _TILE = THREADS * _GROUP
 # 16-byte row loads in flight per thread while loading the slice.
 _UNROLL = 4
-
-
-class SelectArgs(NamedTuple):
-    """The top ``k`` columns of each row of ``logits`` below ``ends[row]``
-    into ``out`` (None: a new int32 [rows, k] tensor)."""
-
-    logits: torch.Tensor
-    ends: torch.Tensor
-    k: int
-    out: torch.Tensor | None = None
-
-
-_TENSORS = TensorFields(SelectArgs, ("logits", "ends"), optional=("out",))
-
-
-@functools.cache
-def slice_capacity(width: int, dtype: torch.dtype, cluster: int) -> int:
-    """The shared keys a CTA of a ``cluster``-CTA row holds for rows of
-    ``width`` columns, or 0 where no capacity holds its slice."""
-    vector = _VECTOR[dtype]
-    per_cta = -(-width // cluster)
-    span = -(-per_cta // vector) * vector
-    return next((c for c in CAPACITIES if span <= c), 0)
-
-
-@functools.cache
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# Cached (as one_wave): the eager host path asks them once a layer a step.
-@functools.cache
-def cluster_for(rows: int, width: int, dtype: torch.dtype, sms: int) -> int | None:
-    """The CTAs a row takes: the most that keep the rows' CTAs within half
-    of ``sms`` and the slices at least ``MIN_SLICE`` keys, else the fewest
-    whose slices fit in shared memory; None where none do. (The H200 sweep
-    in docs/select-contract.md chose these bounds: at 32 rows of 65536
-    pools 2 CTAs a row beat 4.)"""
-    fits = [c for c in CLUSTERS if slice_capacity(width, dtype, c)]
-    if not fits:
-        return None
-    wide = [
-        c
-        for c in fits
-        if 2 * rows * c <= sms
-        and -(-width // c) >= MIN_SLICE
-        and (c < 16 or rows <= MAX_ROWS_16)
-    ]
-    return max(wide) if wide else fits[0]
-
-
-# An SM's shared memory and threads (Hopper and the SM100 family), and the
-# shared memory the system keeps per CTA.
-SM_SHARED_BYTES = 228 * 1024
-SM_THREADS = 2048
-CTA_RESERVED_BYTES = 1024
-
-
-@functools.cache
-def one_wave(rows: int, width: int, dtype: torch.dtype, sms: int) -> bool:
-    """Whether the clusters of ``rows`` rows of ``width`` columns are all
-    resident at once on ``sms`` SMs. The stage runs the select only then:
-    a second wave costs the select more than stock's top-k, whose CTAs a row
-    follow the row's end (docs/select-contract.md has the figures)."""
-    cluster = cluster_for(rows, width, dtype, sms)
-    if cluster is None:
-        return False
-    capacity = slice_capacity(width, dtype, cluster)
-    shared = 4 * (capacity + 2 * BINS + 2 * WARPS + 4) + CTA_RESERVED_BYTES
-    per_sm = min(SM_THREADS // THREADS, SM_SHARED_BYTES // shared)
-    return rows * cluster <= sms * per_sm
-
-
-def sm_count(device: torch.device) -> int:
-    """The SMs of ``device`` (without an index: the current one), read once;
-    0 for a device that is not CUDA."""
-    if device.type != "cuda":
-        return 0
-    index = device.index
-    return _sm_count(torch.cuda.current_device() if index is None else index)
-
-
-def _check_layouts(a: SelectArgs) -> None:
-    logits, ends, k, out = a
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
-        raise mismatch("k", f"an int in [1, {MAX_K}]", k)
-    stride = logits.stride()
-    vector = _VECTOR.get(logits.dtype)
-    if (
-        vector is None
-        or len(stride) != 2
-        or stride[1] != 1
-        or stride[0] % vector
-        or logits.data_ptr() % 16
-    ):
-        raise mismatch(
-            "logits",
-            "fp32/bf16 [rows, width], unit column stride, 16-byte aligned rows",
-            layout(logits),
-        )
-    if not slice_capacity(logits.shape[1], logits.dtype, CLUSTERS[-1]):
-        raise mismatch(
-            "logits",
-            f"at most {CLUSTERS[-1] * CAPACITIES[-1]} columns "
-            f"({CLUSTERS[-1]} CTAs of {CAPACITIES[-1]} shared keys)",
-            logits.shape[1],
-        )
-    rows = logits.shape[0]
-    if ends.dtype is not torch.int32 or ends.stride() != (1,) or ends.shape[0] < rows:
-        raise mismatch("ends", "int32 [>= rows of logits], unit stride", layout(ends))
-    if out is not None and (
-        out.dtype is not torch.int32
-        or tuple(out.shape) != (rows, k)
-        or out.stride(1) != 1
-    ):
-        raise mismatch(
-            "out", f"int32 [rows of logits, k = {k}], unit column stride", layout(out)
-        )
-
-
-# --- Device helpers ----------------------------------------------------------
 
 
 @inline_ptx(Uint32, pure=True)
@@ -268,30 +126,19 @@ def _store_shared(address, word):
 
 
 @cute.jit
-def _inclusive_scan(value: Int32) -> Int32:
-    """The sum of ``value`` over lanes ``0 .. lane`` of the warp."""
-    lane = cute.arch.lane_idx()
-    for o in cutlass.range_constexpr(5):
-        below = cute.arch.shuffle_sync_up(value, offset=1 << o, mask_and_clamp=0)
-        if lane >= (1 << o):
-            value = value + below
-    return value
-
-
-@cute.jit
 def _block_scan(value: Int32, totals, slot):
     """(exclusive prefix of ``value`` over the CTA's threads, CTA total),
     through ``totals[slot : slot + WARPS]``; one CTA barrier."""
     lane = cute.arch.lane_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    inclusive = _inclusive_scan(value)
+    inclusive = warp_prefix_sum(value)
     if lane == 31:
         totals[slot + warp] = inclusive
     cute.arch.barrier()
     warp_total = Int32(0)
     if lane < WARPS:
         warp_total = totals[slot + lane]
-    warps_inclusive = _inclusive_scan(warp_total)
+    warps_inclusive = warp_prefix_sum(warp_total)
     before_warp = cute.arch.shuffle_sync(warps_inclusive - warp_total, offset=warp)
     total = cute.arch.shuffle_sync(warps_inclusive, offset=31)
     return before_warp + inclusive - value, total
@@ -300,15 +147,15 @@ def _block_scan(value: Int32, totals, slot):
 # --- The kernel ---------------------------------------------------------------
 
 
-class _SelectKernel:
+class SelectTopk:
     """Cluster ``row`` selects row ``row``; its CTA ``rank`` owns the slice
     from ``rank * S``."""
 
-    def __init__(self, key: "SelectTopkKernel.CompileKey"):
+    def __init__(self, key):
         assert all(c % _TILE == 0 for c in CAPACITIES)
         self.k, self.cluster, self.capacity = key.k, key.cluster, key.capacity
         self.bf16 = key.dtype == torch.bfloat16
-        self.vector = _VECTOR[key.dtype]
+        self.vector = VECTOR[key.dtype]
         self.key_bits = _KEY_BITS[key.dtype]
         self.digits = DIGITS[key.dtype]
 
@@ -538,75 +385,3 @@ class _SelectKernel:
                     equal = equal + e
                 above_run = above_run + (tile_total & Int32(0xFFFF))
                 equal_run = equal_run + (tile_total >> 16)
-
-
-class SelectTopkKernel(KpoolJitKernel["SelectTopkKernel.CompileKey", SelectArgs]):
-    """The compiled ``_SelectKernel`` executors, one per ``k``, logits dtype,
-    cluster size (``cluster_for`` the rows and width) and shared key
-    capacity (``slice_capacity``)."""
-
-    @dataclass(frozen=True)
-    class CompileKey:
-        k: int
-        dtype: torch.dtype
-        cluster: int
-        capacity: int
-
-    def key_for(self, args: SelectArgs) -> CompileKey:
-        _TENSORS.check(args)
-        _check_layouts(args)
-        logits = args.logits
-        rows, width = logits.shape
-        dtype = logits.dtype
-        # The SMs the warmup derived its keys from (the stage asks the same).
-        # CPU tensors (0 SMs: the fewest CTAs that fit) reach here only in
-        # the CPU rule tests.
-        cluster = cluster_for(rows, width, dtype, sm_count(logits.device))
-        return self.key(args.k, dtype, cluster, slice_capacity(width, dtype, cluster))
-
-    def complete(self, args: SelectArgs) -> SelectArgs:
-        if args.out is not None:
-            return args
-        logits = args.logits
-        out = logits.new_empty((logits.shape[0], args.k), dtype=torch.int32)
-        return args._replace(out=out)
-
-    def executor_args(self, args: SelectArgs) -> tuple | None:
-        if not args.logits.shape[0]:
-            return None
-        return args.logits, args.ends, args.out
-
-    @staticmethod
-    def kernel(compile_key: CompileKey) -> _SelectKernel:
-        return _SelectKernel(compile_key)
-
-    def warmup_inputs(self, compile_key: CompileKey) -> tuple:
-        vector = _VECTOR[compile_key.dtype]
-        rows = cute.sym_int()
-        logits = make_fake_tensor(
-            _DTYPES[compile_key.dtype],
-            (rows, cute.sym_int()),
-            (cute.sym_int64(divisibility=vector), 1),
-            assumed_align=16,
-        )
-        ends = make_fake_tensor(Int32, (cute.sym_int(),), (1,), assumed_align=4)
-        out = make_fake_tensor(
-            Int32, (rows, compile_key.k), (cute.sym_int64(), 1), assumed_align=4
-        )
-        return logits, ends, out
-
-
-SELECT = SelectTopkKernel()
-
-
-def select_topk(
-    logits: torch.Tensor,
-    ends: torch.Tensor,
-    k: int,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The exact top ``k`` columns of each row of ``logits`` below
-    ``ends[row]`` (the module docstring states the contract), into ``out``
-    if given, else a new int32 [rows, k] tensor, which it returns."""
-    return SELECT.run(SelectArgs(logits, ends, k, out)).out

@@ -1,32 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``as_fp32_logits`` as a CuTe DSL kernel: BF16 logits below each row end
-converted to FP32 (8-byte loads, 16-byte stores that a warp lays side by
-side), DeepGEMM's row stride kept, the tiles of long rows spread over the
-CTAs of short ones."""
-
-from dataclasses import dataclass
-from typing import NamedTuple
+"""``as_fp32_logits``: BF16 logits below each row end converted to FP32
+(8-byte loads, 16-byte stores that a warp lays side by side), DeepGEMM's row
+stride kept, the tiles of long rows spread over the CTAs of short ones."""
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import torch
-from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass.cute.runtime import make_fake_tensor
+from cutlass import Float32, Int32, Int64
+from quack.utils import warp_prefix_sum
 
-from vllm.models.glm5next.nvidia.specialized_decode.jit import (
-    KpoolJitKernel,
-    TensorFields,
-    layout,
-    mismatch,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.ptx import (
-    float_bits,
-    load_words_if,
-    store_words_if,
-    unpack_bf16,
-)
+from ..common.ptx import float_bits, load_words_if, store_words_if, unpack_bf16
 
 # 256-thread CTAs of 2048-element tiles, at most 512 CTAs whatever the shape
 # (the row ends are device data): a grid's fixed cost grows with its CTAs
@@ -41,62 +25,15 @@ TILE_SHIFT = TILE.bit_length() - 1
 GROUP_ROWS = 32
 
 
-class UpcastArgs(NamedTuple):
-    """The arguments of ``as_fp32_logits``, and where to write (None: a new
-    tensor with the strides of ``logits``, as stock allocates)."""
-
-    logits: torch.Tensor
-    row_ends: torch.Tensor
-    out: torch.Tensor | None = None
-
-
-_TENSORS = TensorFields(UpcastArgs, ("logits", "row_ends"), optional=("out",))
-
-
-def _check_layouts(a: UpcastArgs) -> None:
-    logits, row_ends, out = a
-    # This runs before every eager upcast: read the strides once, and let the
-    # tuple stand for ndim and unit stride.
-    stride = logits.stride()
-    if (
-        logits.dtype != torch.bfloat16
-        or len(stride) != 2
-        or stride[1] != 1
-        or stride[0] % 8
-        or logits.data_ptr() % 16
-    ):
-        raise mismatch(
-            "logits",
-            "bf16 [rows, width], unit column stride, 16-byte aligned rows",
-            layout(logits),
-        )
-    if (
-        row_ends.dtype != torch.int32
-        or row_ends.stride() != (1,)
-        or row_ends.shape[0] != logits.shape[0]
-    ):
-        raise mismatch(
-            "row_ends", "int32 [rows of logits], unit stride", layout(row_ends)
-        )
-    if out is not None and (
-        out.dtype != torch.float32
-        or out.stride() != stride
-        or out.shape != logits.shape
-        or out.data_ptr() % 16
-    ):
-        raise mismatch(
-            "out",
-            "fp32 with the shape and strides of logits, 16-byte aligned",
-            layout(out),
-        )
-
-
-class _UpcastKernel:
+class UpcastLogits:
     """Converts the logits in tiles of ``TILE`` columns of one row, below the
     row end. CTA ``(row, split)`` first takes its row's tile ``split``, as
     stock does; the tiles past each row's first ``splits`` are then dealt out
     in row order over the CTAs of the row's group of ``GROUP_ROWS`` rows, so
     that a long row does not keep its CTAs busy while short rows' idle."""
+
+    def __init__(self, key):
+        del key  # one variant serves every shape
 
     @cute.jit
     def __call__(
@@ -161,13 +98,8 @@ class _UpcastKernel:
     @cute.jit
     def scan(self, count: Int32):
         """The group's tiles past the rows' first before each lane's row,
-        and in all its rows (an inclusive scan over the lanes)."""
-        lane = cute.arch.lane_idx()
-        upto = count
-        for o in cutlass.range_constexpr(5):
-            below = cute.arch.shuffle_sync_up(upto, offset=1 << o, mask_and_clamp=0)
-            if lane >= (1 << o):
-                upto += below
+        and in all its rows."""
+        upto = warp_prefix_sum(count)
         return upto - count, cute.arch.shuffle_sync(upto, offset=GROUP_ROWS - 1)
 
     @cute.jit
@@ -247,50 +179,3 @@ class _UpcastKernel:
                 else:  # the last run of a width that is not a multiple of 4
                     for e in cutlass.range(c, end, unroll=1):
                         dst[row, e] = Float32(src[row, e])
-
-
-class UpcastLogitsKernel(KpoolJitKernel["UpcastLogitsKernel.CompileKey", UpcastArgs]):
-    """The compiled ``_UpcastKernel`` executor (one serves every shape)."""
-
-    @dataclass(frozen=True)
-    class CompileKey:
-        pass
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._only_key = self.CompileKey()
-
-    def key_for(self, args: UpcastArgs) -> CompileKey:
-        _TENSORS.check(args)
-        _check_layouts(args)
-        return self._only_key
-
-    def complete(self, args: UpcastArgs) -> UpcastArgs:
-        if args.out is not None:
-            return args
-        logits = args.logits
-        # One call less than torch.empty_strided(..., device=...).
-        out = logits.new_empty_strided(
-            logits.shape, logits.stride(), dtype=torch.float32
-        )
-        return UpcastArgs(logits, args.row_ends, out)
-
-    def executor_args(self, args: UpcastArgs) -> tuple | None:
-        if not args.logits.numel():
-            return None
-        return args.logits, args.out, args.row_ends, CTAS
-
-    @staticmethod
-    def kernel(compile_key: CompileKey) -> _UpcastKernel:
-        return _UpcastKernel()
-
-    def warmup_inputs(self, compile_key: CompileKey) -> tuple:
-        rows, width = cute.sym_int(), cute.sym_int()
-        stride = (cute.sym_int64(divisibility=8), 1)
-        src = make_fake_tensor(BFloat16, (rows, width), stride, assumed_align=16)
-        dst = make_fake_tensor(Float32, (rows, width), stride, assumed_align=16)
-        ends = make_fake_tensor(Int32, (rows,), (1,), assumed_align=4)
-        return src, dst, ends, Int32(CTAS)
-
-
-UPCAST = UpcastLogitsKernel()

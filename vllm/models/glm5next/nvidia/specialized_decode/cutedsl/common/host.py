@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What the host side of every kpool kernel shares: vLLM's CuTe DSL JIT
+kernel with the launch spec apart from the launch, and the refusal of an
+input a kernel does not take."""
+
+from typing import Any, Generic, TypeVar
+
+import torch
+from cutlass import Int32, Int64
+
+from vllm.model_executor.warmup.jit_warmup_cutedsl_helper import (
+    VllmCuTeDSLJitKernel,
+)
+
+from ...constants import INT32_MAX, INT32_MIN
+
+CompileKeyT = TypeVar("CompileKeyT")
+# The index dtypes the kernels read, as DSL integer types.
+INDEX_TYPES = {torch.int32: Int32, torch.int64: Int64}
+
+
+class Refused(ValueError):
+    """An input a kernel does not take: "argument: expected X, got Y". The
+    public function raises it; the stage runs the stock kernel instead."""
+
+
+def mismatch(argument: str, expected: str, got: Any) -> Refused:
+    return Refused(f"{argument}: expected {expected}, got {got}")
+
+
+def layout(tensor: torch.Tensor) -> str:
+    return f"{tensor.dtype} {list(tensor.shape)} strides {list(tensor.stride())}"
+
+
+def check_devices(names: tuple[str, ...], *tensors: torch.Tensor | None) -> None:
+    """Each of ``tensors`` (``names``, in order; None where the argument is
+    optional and left out) is a CUDA tensor on one device."""
+    first = None
+    for name, tensor in zip(names, tensors, strict=True):
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise mismatch(name, "a torch.Tensor", type(tensor).__name__)
+        if not tensor.is_cuda:
+            raise mismatch(name, "a CUDA tensor", f"a tensor on {tensor.device}")
+        if first is None:
+            first = tensor
+        elif tensor.get_device() != first.get_device():
+            raise mismatch(
+                name, f"a tensor on {first.device} as the others", tensor.device
+            )
+
+
+def check_int32(name: str, value: Any) -> None:
+    if not isinstance(value, int) or not INT32_MIN <= value <= INT32_MAX:
+        raise mismatch(name, "an int32", value)
+
+
+class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
+    """A kpool decode kernel in vLLM's CuTe DSL protocol: ``dispatch``
+    derives the compile key from the call's shapes and dtypes,
+    ``get_warmup_keys`` lists a deployment's keys, ``warmup_inputs`` gives
+    the fakes one compiles on, ``kernel`` is the device class built from a
+    key.
+
+    ``spec(**arguments)`` checks the arguments against the kernel's rule
+    (raising ``Refused``) and returns the launch spec ``(compile key,
+    executor arguments, output)``, the executor arguments None where there
+    is nothing to compute. Each kernel's ``__call__`` is
+    ``kernel_launcher(spec)``: the public function's launch, which compiles
+    a missing key (never inside a CUDA graph capture). The stage does not
+    call it: it launches a spec only with an executor its own warmup
+    compiled and checked (``runtime/stage.py``)."""
+
+    def dispatch(self, **fields) -> CompileKeyT:
+        """The compile key of a call whose spec derived ``fields`` from its
+        arguments (kernels whose key is no more than that)."""
+        return self.CompileKey(**fields)
+
+    def get_warmup_keys(self, **dispatch_values) -> list[CompileKeyT]:
+        """The keys of every combination of ``dispatch_values`` (each a value,
+        a ``WarmupChoices`` or a ``WarmupIntRange``; ``_when`` a predicate),
+        as vLLM's JIT warmup traces ``dispatch``."""
+        return self._trace_dispatch(self.dispatch)(**dispatch_values)
+
+    def compile(self, compile_key: CompileKeyT) -> None:
+        if compile_key in self._compiled_cache:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{type(self).__name__} {compile_key} is not compiled; compiling "
+                "inside a CUDA graph capture is not allowed (warm it up first)"
+            )
+        super().compile(compile_key)
+
+    def executor(self, compile_key: CompileKeyT):
+        """The compiled executor of ``compile_key`` (compiled here if
+        missing: the stage's warmup asks for its keys)."""
+        return self._get_or_compile(compile_key)
+
+    def launch(self, launch_spec, _inputs):
+        compile_key, args, out = launch_spec
+        if args is not None:
+            self._get_or_compile(compile_key)(*args)
+        return out

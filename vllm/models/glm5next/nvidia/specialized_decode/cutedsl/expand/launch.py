@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The host side of ``ExpandPools``: what it takes, its compile key, its
+launch."""
+
+from dataclasses import dataclass
+
+import cutlass.cute as cute
+import torch
+from cutlass import Int32
+from cutlass.cute.runtime import make_fake_tensor
+
+from vllm.model_executor.warmup.jit_warmup import kernel_launcher
+
+from ...constants import POOL
+from ..common.host import (
+    INDEX_TYPES,
+    KpoolKernel,
+    check_devices,
+    check_int32,
+    layout,
+    mismatch,
+)
+from .kernel import ExpandPools
+
+
+def check(pool_ids, seq_lens, pool_size, seq_offset, out) -> None:
+    """What ``ExpandPools`` takes of ``expand_pools_and_append_tail``'s
+    arguments (raises ``Refused``): int32 pool ids, one row of lengths each,
+    an ``out`` to write whose rows are 16-byte aligned."""
+    if out is None:
+        raise mismatch("out", "a tensor to write (the kernel does not allocate)", None)
+    check_devices(("pool_ids", "seq_lens", "out"), pool_ids, seq_lens, out)
+    if pool_size != POOL:
+        raise mismatch("pool_size", str(POOL), pool_size)
+    rows, groups = pool_ids.shape if pool_ids.dim() == 2 else (-1, -1)
+    if pool_ids.dtype is not torch.int32 or rows < 0 or pool_ids.stride(1) != 1:
+        raise mismatch(
+            "pool_ids", "int32 [rows, pools], unit column stride", layout(pool_ids)
+        )
+    size, stride = out.shape, out.stride()
+    if (
+        out.dtype is not torch.int32
+        or len(size) != 2
+        or size[0] != rows
+        or size[1] < groups * POOL + POOL - 1
+        or stride[1] != 1
+        or stride[0] % 4
+        or out.data_ptr() % 16
+    ):
+        raise mismatch(
+            "out",
+            "int32 [rows, >= pools * 4 + 3], unit column stride, 16-byte aligned rows",
+            layout(out),
+        )
+    if (
+        seq_lens.dtype not in INDEX_TYPES
+        or seq_lens.stride() != (1,)
+        or seq_lens.shape[0] < rows
+    ):
+        raise mismatch(
+            "seq_lens", "int32/int64 [>= rows], unit stride", layout(seq_lens)
+        )
+    check_int32("seq_offset", seq_offset)
+
+
+class ExpandKernel(KpoolKernel["ExpandKernel.CompileKey"]):
+    """``expand_pools_and_append_tail(pool_ids, seq_lens, pool_size,
+    seq_offset=, out=)`` into ``out``'s first ``pools * 4 + 3`` columns, for
+    int32 pool ids. ``int32_lengths``: ``seq_lens`` are truncated to int32
+    before the offset is added, as the stock decode's ``positions.to(
+    torch.int32) + 1`` (else computed in their own dtype, as the stock kernel
+    computes them)."""
+
+    @dataclass(frozen=True)
+    class CompileKey:
+        groups: int
+        seq_lens_dtype: torch.dtype
+        int32_lengths: bool
+
+    kernel = ExpandPools
+
+    def spec(
+        self,
+        *,
+        pool_ids: torch.Tensor,
+        seq_lens: torch.Tensor,
+        pool_size: int,
+        seq_offset: int = 0,
+        out: torch.Tensor | None = None,
+        int32_lengths: bool = False,
+    ):
+        check(pool_ids, seq_lens, pool_size, seq_offset, out)
+        key = self.dispatch(
+            groups=pool_ids.shape[1],
+            seq_lens_dtype=seq_lens.dtype,
+            int32_lengths=bool(int32_lengths),
+        )
+        args = (pool_ids, seq_lens, out, seq_offset) if pool_ids.shape[0] else None
+        return key, args, out
+
+    __call__ = kernel_launcher(spec)
+
+    def warmup_inputs(self, compile_key: CompileKey) -> tuple:
+        rows = cute.sym_int()
+        # The pool count is the key's: zero pools have no static extent.
+        ids = make_fake_tensor(
+            Int32, (rows, cute.sym_int()), (cute.sym_int64(), 1), assumed_align=4
+        )
+        lengths = make_fake_tensor(
+            INDEX_TYPES[compile_key.seq_lens_dtype],
+            (cute.sym_int(),),
+            (1,),
+            assumed_align=4,
+        )
+        out = make_fake_tensor(
+            Int32,
+            (rows, cute.sym_int()),
+            (cute.sym_int64(divisibility=4), 1),
+            assumed_align=16,
+        )
+        return ids, lengths, out, Int32(0)
+
+
+EXPAND = ExpandKernel()

@@ -1,0 +1,204 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The host side of ``SelectTopk``: what it takes, how many CTAs a row
+takes, its compile key, its launch."""
+
+import functools
+from dataclasses import dataclass
+
+import cutlass.cute as cute
+import torch
+from cutlass import Int32
+from cutlass.cute.runtime import make_fake_tensor
+
+from vllm.model_executor.warmup.jit_warmup import WarmupIntRange, kernel_launcher
+
+from ..common.host import KpoolKernel, check_devices, layout, mismatch
+from .kernel import BINS, CAPACITIES, DTYPES, THREADS, VECTOR, WARPS, SelectTopk
+
+# The k a compile key takes (stock's decode top-k serves 512, 1024, 2048).
+MAX_K = 4096
+CLUSTERS = (1, 2, 4, 8, 16)
+# Rows 16-CTA clusters take: about 7 of them fit the H200's GPCs at once.
+MAX_ROWS_16 = 4
+# A slice is not split below this many keys: smaller ones cost more in
+# cluster barriers than they save in passes.
+MIN_SLICE = 8192
+# An SM's shared memory and threads (Hopper and the SM100 family), and the
+# shared memory the system keeps per CTA.
+SM_SHARED_BYTES = 228 * 1024
+SM_THREADS = 2048
+CTA_RESERVED_BYTES = 1024
+
+
+@functools.cache
+def slice_capacity(width: int, dtype: torch.dtype, cluster: int) -> int:
+    """The shared keys a CTA of a ``cluster``-CTA row holds for rows of
+    ``width`` columns, or 0 where no capacity holds its slice."""
+    vector = VECTOR[dtype]
+    per_cta = -(-width // cluster)
+    span = -(-per_cta // vector) * vector
+    return next((c for c in CAPACITIES if span <= c), 0)
+
+
+# Cached (as one_wave): the eager host path asks them once a layer a step.
+@functools.cache
+def cluster_for(rows: int, width: int, dtype: torch.dtype, sms: int) -> int | None:
+    """The CTAs a row takes: the most that keep the rows' CTAs within half
+    of ``sms`` and the slices at least ``MIN_SLICE`` keys, else the fewest
+    whose slices fit in shared memory; None where none do. (An H200 sweep
+    chose these bounds: at 32 rows of 65536 pools 2 CTAs a row beat 4.)"""
+    fits = [c for c in CLUSTERS if slice_capacity(width, dtype, c)]
+    if not fits:
+        return None
+    wide = [
+        c
+        for c in fits
+        if 2 * rows * c <= sms
+        and -(-width // c) >= MIN_SLICE
+        and (c < 16 or rows <= MAX_ROWS_16)
+    ]
+    return max(wide) if wide else fits[0]
+
+
+@functools.cache
+def one_wave(rows: int, width: int, dtype: torch.dtype, sms: int) -> bool:
+    """Whether the clusters of ``rows`` rows of ``width`` columns are all
+    resident at once on ``sms`` SMs. The stage runs the select only then:
+    a second wave costs the select more than stock's top-k, whose CTAs a row
+    follow the row's end."""
+    cluster = cluster_for(rows, width, dtype, sms)
+    if cluster is None:
+        return False
+    capacity = slice_capacity(width, dtype, cluster)
+    shared = 4 * (capacity + 2 * BINS + 2 * WARPS + 4) + CTA_RESERVED_BYTES
+    per_sm = min(SM_THREADS // THREADS, SM_SHARED_BYTES // shared)
+    return rows * cluster <= sms * per_sm
+
+
+def in_one_wave(rows, width, dtype, sms):
+    """``one_wave`` as a warmup predicate (vLLM traces its one expression)."""
+    return one_wave(rows, width, dtype, sms)
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """The SMs of CUDA device ``index``, read once."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def check(logits, ends, k, out) -> None:
+    """What ``SelectTopk`` takes (raises ``Refused``)."""
+    check_devices(("logits", "ends", "out"), logits, ends, out)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+        raise mismatch("k", f"an int in [1, {MAX_K}]", k)
+    stride = logits.stride()
+    vector = VECTOR.get(logits.dtype)
+    if (
+        vector is None
+        or len(stride) != 2
+        or stride[1] != 1
+        or stride[0] % vector
+        or logits.data_ptr() % 16
+    ):
+        raise mismatch(
+            "logits",
+            "fp32/bf16 [rows, width], unit column stride, 16-byte aligned rows",
+            layout(logits),
+        )
+    if not slice_capacity(logits.shape[1], logits.dtype, CLUSTERS[-1]):
+        raise mismatch(
+            "logits",
+            f"at most {CLUSTERS[-1] * CAPACITIES[-1]} columns "
+            f"({CLUSTERS[-1]} CTAs of {CAPACITIES[-1]} shared keys)",
+            logits.shape[1],
+        )
+    rows = logits.shape[0]
+    if ends.dtype is not torch.int32 or ends.stride() != (1,) or ends.shape[0] < rows:
+        raise mismatch("ends", "int32 [>= rows of logits], unit stride", layout(ends))
+    if out is not None and (
+        out.dtype is not torch.int32
+        or tuple(out.shape) != (rows, k)
+        or out.stride(1) != 1
+    ):
+        raise mismatch(
+            "out", f"int32 [rows of logits, k = {k}], unit column stride", layout(out)
+        )
+
+
+class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
+    """``get_indexer_topk(backend)(logits, lengths, next_n, out, k,
+    max_seq_len)`` of GLM-5-Next's decode (vLLM's ``cooperative_topk`` /
+    ``persistent_topk``) with the same set, in the stated order and tie
+    choice of ``select/kernel.py`` (stock's are its atomics'): the top ``k``
+    columns of each row of ``logits`` below ``ends[row]``, ascending, into
+    ``out`` (None: a new int32 [rows, k] tensor). One compile key per ``k``,
+    logits dtype, cluster size (``cluster_for`` the rows and width on the
+    device's SMs) and shared key capacity (``slice_capacity``)."""
+
+    @dataclass(frozen=True)
+    class CompileKey:
+        k: int
+        dtype: torch.dtype
+        cluster: int
+        capacity: int
+
+    kernel = SelectTopk
+
+    def dispatch(  # type: ignore[override]
+        self, *, k: int, dtype: torch.dtype, rows: int, width: int, sms: int
+    ) -> CompileKey:
+        cluster = cluster_for(rows, width, dtype, sms)
+        return self.CompileKey(
+            k=k,
+            dtype=dtype,
+            cluster=cluster,
+            capacity=slice_capacity(width, dtype, cluster),
+        )
+
+    def get_warmup_keys(self, *, max_rows: int, **dispatch_values) -> list[CompileKey]:
+        """The keys of 1 to ``max_rows`` rows that fit one wave."""
+        return self._trace_dispatch(self.dispatch)(
+            rows=WarmupIntRange(1, max_rows + 1), _when=in_one_wave, **dispatch_values
+        )
+
+    def spec(
+        self,
+        *,
+        logits: torch.Tensor,
+        ends: torch.Tensor,
+        k: int,
+        out: torch.Tensor | None = None,
+    ):
+        check(logits, ends, k, out)
+        rows, width = logits.shape
+        if out is None:
+            out = logits.new_empty((rows, k), dtype=torch.int32)
+        key = self.dispatch(
+            k=k,
+            dtype=logits.dtype,
+            rows=rows,
+            width=width,
+            sms=sm_count(logits.get_device()),
+        )
+        return key, (logits, ends, out) if rows else None, out
+
+    __call__ = kernel_launcher(spec)
+
+    def warmup_inputs(self, compile_key: CompileKey) -> tuple:
+        vector = VECTOR[compile_key.dtype]
+        rows = cute.sym_int()
+        logits = make_fake_tensor(
+            DTYPES[compile_key.dtype],
+            (rows, cute.sym_int()),
+            (cute.sym_int64(divisibility=vector), 1),
+            assumed_align=16,
+        )
+        ends = make_fake_tensor(Int32, (cute.sym_int(),), (1,), assumed_align=4)
+        out = make_fake_tensor(
+            Int32, (rows, compile_key.k), (cute.sym_int64(), 1), assumed_align=4
+        )
+        return logits, ends, out
+
+
+SELECT = SelectKernel()
