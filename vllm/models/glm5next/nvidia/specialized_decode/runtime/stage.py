@@ -27,7 +27,7 @@ from vllm.models.glm5next.nvidia.ops.kpool_compress import (
 )
 from vllm.utils.deep_gemm import fp8_fp4_paged_mqa_logits
 
-from ..constants import DIM, MAX_GROUPS, POOL
+from ..constants import MAX_GROUPS, POOL
 from ..cutedsl.common.host import Refused
 from ..cutedsl.expand.launch import EXPAND
 from ..cutedsl.remap.launch import check_shape
@@ -50,43 +50,19 @@ class LayerStep:
         self.stage, self.remap = stage, remap
         self.deferring = remap is not None
 
-    def update(
-        self,
-        kv_cache,
-        tail_kv_cache,
-        tail_slot_mapping,
-        key,
-        slot_score,
-        ape,
-        slot_mapping,
-        positions,
-        pool_size,
-        head_dim=DIM,
-        round_scale=True,
-    ) -> None:
-        """``kpool_decode_update_and_maybe_write_cache_batched``, same
-        arguments."""
-        tensors = dict(
-            kv_cache=kv_cache,
-            tail_kv_cache=tail_kv_cache,
-            tail_slot_mapping=tail_slot_mapping,
-            key=key,
-            slot_score=slot_score,
-            ape=ape,
-            slot_mapping=slot_mapping,
-            positions=positions,
-            pool_size=pool_size,
-            head_dim=head_dim,
-        )
+    def update(self, *stock_args, round_scale=True) -> None:
+        """``kpool_decode_update_and_maybe_write_cache_batched(*stock_args,
+        round_scale=round_scale)``: its positional arguments, as the indexer
+        passes them."""
         stage = self.stage
         if (
             stage.launch(
-                UPDATE, **tensors, mx_scales=stage.mx_scales, round_scale=round_scale
+                UPDATE, *stock_args, mx_scales=stage.mx_scales, round_scale=round_scale
             )
             is STOCK
         ):
             kpool_decode_update_and_maybe_write_cache_batched(
-                **tensors, round_scale=round_scale
+                *stock_args, round_scale=round_scale
             )
 
     def decode_rows(
@@ -216,12 +192,12 @@ class KpoolStage:
 
     # --- Launches ---------------------------------------------------------
 
-    def prepare(self, kernel, **arguments):
-        """The launch of ``kernel`` on ``arguments`` (a callable) where its
+    def prepare(self, kernel, *args, **kwargs):
+        """The launch of ``kernel`` on its arguments (a callable) where its
         rule takes them and this stage's warmup compiled and checked their
         key, else None."""
         try:
-            key, args, _ = kernel.spec(**arguments)
+            key, args, _ = kernel.spec(*args, **kwargs)
         except Refused:
             return None
         executor = self.executors.get(key)
@@ -229,12 +205,12 @@ class KpoolStage:
             return None
         return partial(executor, *args) if args is not None else _nothing
 
-    def launch(self, kernel, **arguments):
-        """Launches ``kernel`` on ``arguments`` as ``prepare`` finds it and
+    def launch(self, kernel, *args, **kwargs):
+        """Launches ``kernel`` on its arguments as ``prepare`` finds it and
         returns its output; ``STOCK`` where the caller runs the stock
         kernel."""
         try:
-            key, args, out = kernel.spec(**arguments)
+            key, args, out = kernel.spec(*args, **kwargs)
         except Refused:
             return STOCK
         executor = self.executors.get(key)

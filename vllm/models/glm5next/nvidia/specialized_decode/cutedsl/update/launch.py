@@ -153,7 +153,6 @@ class UpdateKernel(KpoolKernel["UpdateKernel.CompileKey"]):
 
     def spec(
         self,
-        *,
         kv_cache: torch.Tensor,
         tail_kv_cache: torch.Tensor,
         tail_slot_mapping: torch.Tensor,
@@ -164,6 +163,7 @@ class UpdateKernel(KpoolKernel["UpdateKernel.CompileKey"]):
         positions: torch.Tensor,
         pool_size: int,
         head_dim: int = DIM,
+        *,
         mx_scales: bool,
         round_scale: bool = True,
     ):
