@@ -1,20 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The kernel-only GPU environment (``tools/kernel_env``) gives the same stock
-functions as the real import of the patched vLLM tree.
+code as the real import of the patched vLLM tree.
 
 The real side runs here (the root conftest puts the patched overlay first on
-``sys.path``); the shim side runs in a subprocess (this file as a script) that
-installs the shim before anything imports ``vllm``, from sources staged out of
-the very files the real import loaded. Every lifted statement, lifted object
-and whole module must be the real import's text; the whole ``jit_warmup``
-modules and the patched indexer must load; and both sides run the stock
-Triton kernels under ``TRITON_INTERPRET=1`` on the same inputs, with results
-equal byte for byte. Every name the specialized decode's modules import from
-vLLM resolves in the shim, to the real import's object (same source) or to a
-stand-in listed in ``STAND_INS``, and the whole package imports there. (The
-patched indexer itself runs through the shim in
-``tests/models/glm5next/test_indexer_decode_steps.py``.)
+``sys.path``); the shim side runs in a subprocess (this file as a script)
+that sees neither vllm nor quack, as on the GPU machine (``python -S`` over
+a copy of site-packages without them), and installs the shim from sources
+staged out of the very files the real import loaded. Every lifted statement,
+lifted object and whole module, and every quack module, must be the real
+import's text; both sides run the stock Triton kernels and the product's
+case draws (``cases.py``, whose expected buffers the stock twins compute)
+under ``TRITON_INTERPRET=1`` on the same inputs, with results equal byte for
+byte. Every name the product imports from vLLM or quack resolves in the
+shim, to the real import's object (same source) or to a stand-in listed in
+``STAND_INS``, and the whole product imports there.
 """
 
 import ast
@@ -39,6 +39,9 @@ SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
 SPECIALIZED = "vllm.models.glm5next.nvidia.specialized_decode"
 COMMON = "vllm.v1.attention.ops.common"
+MLA = "vllm.v1.attention.backends.mla"
+SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
+MLA_ATTENTION = "vllm.model_executor.layers.attention.mla_attention"
 SPARSE_INDEXER = "vllm.models.glm5next.nvidia.sparse_indexer"
 # What the kernel-only environment must export whole (the TVM-FFI launch path).
 EXPORTS = {
@@ -46,6 +49,8 @@ EXPORTS = {
         "kernel_launcher",
         "VllmJitKernel",
         "JitWarmupRegistry",
+        "WarmupChoices",
+        "WarmupIntRange",
         "zip_inputs",
     ),
     "vllm.model_executor.warmup.jit_warmup_cutedsl_helper": (
@@ -55,8 +60,20 @@ EXPORTS = {
     ),
     SPARSE_INDEXER: ("sparse_attn_indexer_kpool", "SPECIALIZED_KPOOL"),
 }
-# What the specialized decode imports from vLLM that the shim serves with a
-# stand-in (``stubs.py``), not the stock object: why each.
+# The sparse MLA impls whose forward_mqa the product identifies: stand-in
+# classes derived as in vLLM, each with its stock forward_mqa lifted.
+IMPLS = (
+    f"{SPARSE_MLA}.SparseMLACommonImpl",
+    f"{MLA}.flashmla_sparse.FlashMLASparseImpl",
+    f"{MLA}.flashinfer_mla_sparse_sm90.FlashInferMLASparseSM90Impl",
+)
+# Stand-ins that raise, naming themselves, unless a test driver replaces them.
+RAISING = (
+    "vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits",  # no DeepGEMM
+    "vllm.model_executor.layers.indexer_topk.get_indexer_topk",  # no vLLM _C
+)
+# What the product imports from vLLM that the shim serves with a stand-in
+# (``stubs.py``), not the stock object: why each.
 STAND_INS = {
     # logging.getLogger plus vLLM's *_once methods.
     "vllm.logger.init_logger": "vLLM's logger configuration is not staged",
@@ -67,8 +84,9 @@ STAND_INS = {
     "vllm.utils.torch_utils.current_stream": "torch_utils is not staged",
     # CUDA when torch sees a GPU.
     "vllm.platforms.current_platform": "no platform detection",
+    **dict.fromkeys(RAISING, "raises unless replaced"),
+    **dict.fromkeys(IMPLS, "their modules do not load there"),
 }
-MLA_METADATA = "vllm.model_executor.layers.attention.mla_attention.MLACommonMetadata"
 # kpool update sizes: requests x tokens, head dim, pool, ring, page.
 R, N, D, POOL, RING, PAGE = 3, 2, 128, 4, 8, 4
 
@@ -104,16 +122,27 @@ def describe(obj) -> str:
     return repr(obj)
 
 
+def product_modules() -> list[str]:
+    """Every module of the product package."""
+    root = REPO / SPECIALIZED.replace(".", "/")
+    names = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        names.append(".".join(parts[:-1] if path.stem == "__init__" else parts))
+    return names
+
+
 def product_imports() -> list[str]:
-    """``module.name`` of every name the specialized decode's modules import
-    from vLLM (at the top or inside a function), its own package aside."""
+    """``module.name`` of every name the product's modules import from vLLM
+    or quack (at the top or inside a function), its own package aside."""
     names = set()
-    for path in (REPO / SPECIALIZED.replace(".", "/")).glob("*.py"):
+    for path in (REPO / SPECIALIZED.replace(".", "/")).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             module = getattr(node, "module", None) or ""
             if (
                 isinstance(node, ast.ImportFrom)
-                and module.partition(".")[0] == "vllm"
+                and node.level == 0
+                and module.partition(".")[0] in ("vllm", "quack")
                 and not module.startswith(SPECIALIZED)
             ):
                 names.update(f"{module}.{alias.name}" for alias in node.names)
@@ -135,6 +164,39 @@ def fields(cls) -> list[tuple[str, str]]:
         (f.name, "required" if f.default is dataclasses.MISSING else repr(f.default))
         for f in dataclasses.fields(cls)
     ]
+
+
+def metadata_facts(lifted) -> dict:
+    """The planned-step test's metadata classes: their fields, that the
+    sparse MLA metadata derives from the product's ``MLACommonMetadata``, and
+    (shim side) that the product's classes are the lifted ones."""
+    steps = importlib.import_module(f"{SPECIALIZED}.runtime.steps")
+    sparse = importlib.import_module(SPARSE_MLA).SparseMLACommonMetadata
+    accepted = steps.ACCEPTED_METADATA
+    names = (
+        f"{MLA}.indexer.DeepseekV32IndexerMetadata",
+        f"{MLA_ATTENTION}.MLACommonMetadata",
+    )
+    return {
+        "fields": [fields(cls) for cls in (*accepted, sparse)],
+        "derives": issubclass(sparse, accepted[1]),
+        "lifted": lifted is None or [lifted[n] for n in names] == list(accepted),
+    }
+
+
+def impl_facts() -> dict:
+    """For each sparse MLA impl class: whether it derives from
+    ``SparseMLACommonImpl``, which class defines its ``forward_mqa`` and that
+    method's source; and what the product's identity check accepts."""
+    remap = importlib.import_module(f"{SPECIALIZED}.runtime.remap")
+    common = resolve_import(IMPLS[0])
+    facts = {}
+    for name in IMPLS:
+        cls = resolve_import(name)
+        method = cls.forward_mqa
+        facts[name] = (issubclass(cls, common), method.__qualname__, describe(method))
+    facts["accepted"] = [f.__qualname__ for f in remap.group_converting_decodes()]
+    return facts
 
 
 def make_inputs(seed: int) -> dict:
@@ -172,6 +234,7 @@ def make_inputs(seed: int) -> dict:
     lens = torch.tensor([2, 4, 3], dtype=torch.int32)
     seq = torch.randn(9, 4, 16, generator=g)
     return dict(
+        seed=seed,
         kpool=kpool,
         seq=seq,
         seq_bytes=ints(0, 256, (9, 40)).to(torch.uint8),
@@ -213,8 +276,9 @@ class FakeStream:
 
 
 def run_cases(inputs: dict, set_mx) -> dict:
-    """Run the stock functions reachable as ``vllm.*`` on ``inputs`` (cloned);
-    ``set_mx(flag)`` forces ``mqa_logits_use_mx_scales()`` of kpool_compress."""
+    """Run the stock functions reachable as ``vllm.*`` and the product's case
+    draws on ``inputs`` (cloned); ``set_mx(flag)`` forces
+    ``mqa_logits_use_mx_scales()`` of kpool_compress."""
     kp = importlib.import_module(KPOOL)
     indexer = importlib.import_module(INDEXER)
     su = importlib.import_module(SPARSE_UTILS)
@@ -292,6 +356,21 @@ def run_cases(inputs: dict, set_mx) -> dict:
             )
             for layer, rep in ((0, 1), (1, 1), (0, 2))
         ]
+        # Patch 0005's hook: the group's conversion gets the stock
+        # _convert_once first, then its arguments.
+        hooked: list = []
+
+        def conversion(stock, *args, **kwargs):
+            hooked.append((stock.__name__, args, sorted(kwargs.items())))
+            return stock(*args, **kwargs)
+
+        group.conversion = conversion
+        metadata = mock.Mock(req_id_per_token=req_id, block_table=block_table)
+        metadata.block_size = 64
+        kwargs = dict(block_stride_rows=96, return_valid_counts=True)
+        hooked.append(
+            group.convert_logical_to_physical_topk(0, tokens, metadata, **kwargs)
+        )
     finally:
         ig.current_stream = current_stream
     out["convert_once"] = (
@@ -299,7 +378,15 @@ def run_cases(inputs: dict, set_mx) -> dict:
         group.valid_topk_counts,
         calls,
         log,
+        hooked,
     )
+    # What the GPU tier compares the kernels with: each kernel's case as
+    # cases.py draws it on the CPU, its expected buffers from the stock twins.
+    cases = importlib.import_module(f"{SPECIALIZED}.cases")
+    for kernel, draw in cases.CASES.items():
+        seed = inputs["seed"]
+        case = draw(random.Random(seed), torch.Generator().manual_seed(seed))
+        out[f"case_{type(kernel).__name__}"] = (case.written, case.expected)
     return out
 
 
@@ -323,10 +410,10 @@ def assert_same(real, shim, where: str) -> None:
 
 @pytest.fixture(scope="module")
 def real():
-    """The real patched stock modules, with Triton interpreted on the CPU."""
-    shim, _ = _shim()
+    """The real patched stock modules and the product, Triton interpreted."""
+    _, stage = _shim()
     with mock.patch.dict(os.environ, CPU_TRITON):
-        for name in shim.STOCK:
+        for name in (*stage.STOCK, *product_modules()):
             importlib.import_module(name)
     kp = sys.modules[KPOOL]
     if type(kp._expand_pools_and_append_tail_kernel).__name__ != "InterpretedFunction":
@@ -339,6 +426,18 @@ def real():
     return kp
 
 
+def site_without_vllm(tmp: Path) -> list[str]:
+    """The GPU machine's ``PYTHONPATH`` made of this venv: its site-packages
+    but vllm and quack (links), and the CuTe DSL's packages dir."""
+    site = Path(torch.__file__).parents[1]
+    farm = tmp / "site"
+    farm.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.startswith(("vllm", "quack")) and entry.suffix != ".pth":
+            (farm / entry.name).symlink_to(entry)
+    return [str(farm), str(farm / "nvidia_cutlass_dsl" / "dsl_packages")]
+
+
 @pytest.fixture(scope="module")
 def shim_side(real, tmp_path_factory):
     """Stage the files the real import loaded; run the shim side on them."""
@@ -346,54 +445,57 @@ def shim_side(real, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kernel_env")
     modules = {rel: rel[:-3].replace("/", ".") for rel in stage.STOCK_FILES}
     sources = {rel: Path(sys.modules[m].__file__) for rel, m in modules.items()}
-    stage.stage(sources, tmp / "stock")
+    stage.stage(
+        sources, tmp / "stock", quack=Path(sys.modules["quack"].__file__).parent
+    )
     seed = random.randrange(2**31)
     torch.save(make_inputs(seed), tmp / "inputs.pt")
+    path = os.pathsep.join(site_without_vllm(tmp))
     proc = subprocess.run(
-        [sys.executable, __file__, str(tmp)],
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | CPU_TRITON,
+        [sys.executable, "-S", __file__, str(tmp)],
+        env=os.environ | CPU_TRITON | {"PYTHONPATH": path},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return seed, torch.load(tmp / "result.pt", weights_only=False)
 
 
-def test_staged_files_are_what_the_shim_loads():
-    shim, stage = _shim()
-    served = {name.replace(".", "/") + ".py" for name in shim.STOCK}
-    assert served == set(stage.STOCK_FILES)
-
-
 def test_sources_equal(real, shim_side):
     """Every lifted definition is the stock statement of the module the real
     import loads (and, for functions, classes and kernels, the real object's
-    source); every whole module is the real module's text."""
-    shim, _ = _shim()
+    source); every whole module and quack module is the real module's text."""
+    shim, stage = _shim()
     _, result = shim_side
-    lifted = {f"{m}.{n}" for m, names in shim.STOCK.items() for n in names or ()}
+    lifted = {
+        f"{m}.{n}" for m, names in stage.STOCK.items() for n in (names or "").split()
+    }
     assert result["sources"].keys() == lifted == result["statements"].keys()
     for qualname in sorted(lifted):
-        module = next(m for m in shim.STOCK if qualname.startswith(m + "."))
+        module = next(m for m in stage.STOCK if qualname.startswith(m + "."))
         text = inspect.getsource(importlib.import_module(module))
         name = qualname[len(module) + 1 :]
         statement = shim.definition_source(text, name)
         assert statement == result["statements"][qualname], qualname
-        obj = _resolve(qualname, shim.STOCK)
+        obj = _resolve(qualname, stage.STOCK)
         if hasattr(obj, "fn") or inspect.isfunction(obj) or inspect.isclass(obj):
             assert describe(obj) == result["sources"][qualname], qualname
-    whole = [m for m, names in shim.STOCK.items() if names is None]
+    whole = [m for m, names in stage.STOCK.items() if names is None]
     assert result["modules"].keys() == set(whole)
     for name in whole:
         module = importlib.import_module(name)
         assert inspect.getsource(module) == result["modules"][name], name
     kernels = {k: describe(v) for k, v in vars(real).items() if hasattr(v, "fn")}
     assert kernels == result["kpool_kernels"]
+    assert "quack.utils" in result["quack"]
+    for name, text in result["quack"].items():
+        assert Path(importlib.import_module(name).__file__).read_text() == text, name
 
 
 def test_outputs_equal(real, shim_side):
-    """Same inputs, byte-equal caches, tails, outputs and counts."""
+    """Same inputs, byte-equal caches, tails, outputs, counts and case
+    buffers."""
     seed, result = shim_side
     inputs = torch.load(result["inputs"], weights_only=False)
     stock = real.mqa_logits_use_mx_scales
@@ -440,11 +542,9 @@ def test_whole_modules_and_the_indexer_load(shim_side):
 
 
 def test_product_imports_resolve_to_stock(real, shim_side):
-    """Each name the specialized decode imports from vLLM (``vllm.logger``,
-    the forward context, ``as_fp32_logits``, ``kpool_compress``,
-    ``mqa_logits_use_mx_scales``, ``current_stream``, the index group,
-    ``jit_warmup_cutedsl_helper``, the configs...) resolves in the shim: to
-    the real import's object, source for source, or to a listed stand-in."""
+    """Each name the product imports from vLLM or quack resolves in the
+    shim: to the real import's object, source for source, or to a listed
+    stand-in; the raising stand-ins raise, naming themselves."""
     _, result = shim_side
     served = result["product_imports"]
     assert list(served) == product_imports()
@@ -454,34 +554,36 @@ def test_product_imports_resolve_to_stock(real, shim_side):
     for qualname, source in served.items():
         if qualname not in STAND_INS:
             assert source == describe(resolve_import(qualname)), qualname
+    assert result["raising"] == {name: True for name in RAISING}
 
 
-def test_mla_metadata_stand_in_has_the_stock_fields(real, shim_side):
-    """The shim's ``MLACommonMetadata`` (``mla_attention.py`` is not staged)
-    has the stock dataclass's fields in order, defaults where stock has them,
-    so the lifted ``SparseMLACommonMetadata`` takes what vLLM's takes."""
+def test_metadata_and_impls_as_in_vllm(real, shim_side):
+    """The planned-step test's metadata classes are the lifted stock classes
+    with the stock fields, the sparse MLA metadata derived from the same
+    ``MLACommonMetadata``; the impl stand-ins derive as vLLM's, each with the
+    stock ``forward_mqa`` of the class that defines it, and the product's
+    identity check accepts the same methods."""
     _, result = shim_side
-    real_cls = _resolve(MLA_METADATA, [MLA_METADATA.rpartition(".")[0]])
-    assert result["mla_metadata_fields"] == fields(real_cls)
-    sparse = "vllm.model_executor.layers.attention.sparse_mla_attention"
-    assert result["sparse_metadata_fields"] == fields(
-        importlib.import_module(sparse).SparseMLACommonMetadata
-    )
+    assert result["metadata"] == metadata_facts(None)
+    assert result["metadata"]["derives"] and result["metadata"]["lifted"]
+    assert result["impls"] == impl_facts()
 
 
 def test_no_real_vllm_in_the_shim_process(shim_side):
     """Every ``vllm`` module there is the shim's, a staged file or the repo's;
-    the fork's specialized decode imports from the repo."""
+    quack is the staged one; the whole product imports, from the repo."""
     _, result = shim_side
     assert result["foreign"] == [], "real vllm modules loaded beside the shim"
+    assert Path(result["quack_file"]).parents[1].name.startswith("kpool-quack-")
     specialized = result["specialized"]
-    assert isinstance(specialized, list), specialized  # else: the import error
-    assert specialized and all(f.startswith(str(REPO / "vllm")) for f in specialized)
+    assert isinstance(specialized, dict), specialized  # else: the import error
+    assert sorted(specialized) == product_modules()
+    assert all(f.startswith(str(REPO / "vllm")) for f in specialized.values())
 
 
 def _shim_main(tmp: str) -> None:
     """The subprocess: install the shim first, then run the cases."""
-    shim, _ = _shim()
+    shim, stage = _shim()
     tmp_dir = Path(tmp)
     stock = (tmp_dir / "stock").resolve()
     shim.install(stock, REPO)
@@ -494,15 +596,20 @@ def _shim_main(tmp: str) -> None:
         "statements": dict(shim.LIFTED_SOURCE),
         "modules": {
             name: inspect.getsource(sys.modules[name])
-            for name, names in shim.STOCK.items()
+            for name, names in stage.STOCK.items()
             if names is None
         },
         "kpool_kernels": {
             k: describe(v) for k, v in vars(kp).items() if hasattr(v, "fn")
         },
-        "kpool_module": inspect.getsource(kp),
-        "outputs": run_cases(inputs, shim.set_mx_scales),
     }
+    try:  # what the GPU tier imports: every module of the product
+        result["specialized"] = {
+            name: importlib.import_module(name).__file__ for name in product_modules()
+        }
+    except Exception as e:
+        result["specialized"] = f"{type(e).__name__}: {e}"
+    result["outputs"] = run_cases(inputs, shim.set_mx_scales)
     result["exports"] = {
         module: [name for name in names if not hasattr(sys.modules[module], name)]
         for module, names in EXPORTS.items()
@@ -510,26 +617,25 @@ def _shim_main(tmp: str) -> None:
     result["product_imports"] = {}
     for qualname in product_imports():
         try:
-            result["product_imports"][qualname] = describe(resolve_import(qualname))
+            obj = resolve_import(qualname)
+            served = "stand-in" if qualname in STAND_INS else describe(obj)
         except Exception as e:
-            result["product_imports"][qualname] = f"missing: {type(e).__name__}: {e}"
-    mla = importlib.import_module(MLA_METADATA.rpartition(".")[0])
-    sparse = "vllm.model_executor.layers.attention.sparse_mla_attention"
-    result["mla_metadata_fields"] = fields(mla.MLACommonMetadata)
-    result["sparse_metadata_fields"] = fields(
-        importlib.import_module(sparse).SparseMLACommonMetadata
-    )
-    try:  # what the GPU tier imports: every module of the package
-        for path in sorted((REPO / SPECIALIZED.replace(".", "/")).glob("*.py")):
-            name = "" if path.stem == "__init__" else f".{path.stem}"
-            importlib.import_module(SPECIALIZED + name)
-        result["specialized"] = [
-            module.__file__
-            for name, module in sys.modules.items()
-            if name.startswith(SPECIALIZED)
-        ]
-    except Exception as e:
-        result["specialized"] = f"{type(e).__name__}: {e}"
+            served = f"missing: {type(e).__name__}: {e}"
+        result["product_imports"][qualname] = served
+    result["raising"] = {}
+    for name in RAISING:
+        with pytest.raises(RuntimeError, match=name.replace(".", r"\.")):
+            resolve_import(name)()
+        result["raising"][name] = True
+    result["metadata"] = metadata_facts(shim.LIFTED)
+    result["impls"] = impl_facts()
+    quack = sys.modules["quack"]
+    result["quack_file"] = quack.__file__
+    result["quack"] = {
+        name: Path(module.__file__).read_text()
+        for name, module in sys.modules.items()
+        if name.partition(".")[0] == "quack" and getattr(module, "__file__", None)
+    }
     result["foreign"] = [
         name
         for name, module in sys.modules.items()
@@ -546,8 +652,7 @@ if __name__ == "__main__":
 
 def test_verify_refuses_a_stage_from_another_patch_set(tmp_path):
     """A stage made before patches/ changed is refused: a GPU run on it would
-    test the old hooks (a stage without the select's top-k hunk once ran
-    vLLM's top-k after the select)."""
+    test the old hooks."""
     _, stage = _shim()
     patches = tmp_path / "patches"
     patches.mkdir()
@@ -560,7 +665,93 @@ def test_verify_refuses_a_stage_from_another_patch_set(tmp_path):
         source.write_text(f"# {rel}\n")
         sources[rel] = source
     stage.stage(sources, tmp_path / "stock", patches)
-    assert stage.verify(tmp_path / "stock", patches).keys() == set(stage.STOCK_FILES)
+    files = {*stage.STOCK_FILES, stage.QUACK}
+    assert stage.verify(tmp_path / "stock", patches).keys() == files
     (patches / "0001-a.patch").write_text("one hunk, edited\n")
     with pytest.raises(ValueError, match="another patch set"):
         stage.verify(tmp_path / "stock", patches)
+
+
+SCRIPTS = ["gpu_tier.sh", "sanitize.sh", "prepare.sh", "select_launch.py", "stage.py"]
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, "shim.py"])
+def test_help_runs_nothing(script, tmp_path):
+    """Every entry point prints its help on ``--help``, exits 0 and writes
+    nothing (a GPU minute must not go to a mistyped flag)."""
+    path = REPO / "tools/kernel_env" / script
+    command = [str(path)] if path.suffix == ".sh" else [sys.executable, str(path)]
+    if script == "shim.py":
+        command = [sys.executable, "-m", "tools.kernel_env.shim"]
+    env = os.environ | {"OUT": str(tmp_path / "out"), "PATH": _path()}
+    proc = subprocess.run(
+        [*command, "--help"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.splitlines()) >= 2, proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def _path() -> str:
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+
+
+def test_summary_line_counts_skips_apart(tmp_path):
+    """``gpu_tier.sh --summarize``: passed, failed, errors and SKIPPED from a
+    real pytest JUnit XML, skip reasons counted; a failure, an error, no test
+    or (``--strict``) a skip fails."""
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n"
+        "def test_ok(): pass\n"
+        "def test_fail(): assert False\n"
+        "@pytest.fixture\n"
+        "def broken(): raise RuntimeError\n"
+        "def test_error(broken): pass\n"
+        "@pytest.mark.skip(reason='needs CUDA: no')\n"
+        "def test_skip_a(): pass\n"
+        "def test_skip_b(): pytest.skip('needs CUDA: no')\n"
+        "def test_skip_c(): pytest.skip('other')\n"
+    )
+    xml = tmp_path / "x.xml"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            os.devnull,
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_x.py"),
+            f"--junitxml={xml}",
+        ],
+        capture_output=True,
+        cwd=tmp_path,
+    )
+    tier = str(REPO / "tools/kernel_env/gpu_tier.sh")
+
+    def summarize(*args):
+        proc = subprocess.run(
+            [tier, "--summarize", *args],
+            env=os.environ | {"PATH": _path()},
+            capture_output=True,
+            text=True,
+        )
+        return proc.returncode, proc.stdout.strip()
+
+    assert summarize(str(xml)) == (
+        1,
+        "1 passed, 1 failed, 1 errors, 3 SKIPPED [2x needs CUDA: no] [1x other]",
+    )
+    missing = str(tmp_path / "none.xml")
+    assert summarize(str(xml), missing)[1].endswith(f"[no JUnit XML: {missing}]")
+    ok = tmp_path / "ok.xml"
+    ok.write_text(
+        '<testsuites><testsuite><testcase name="a"/><testcase name="b">'
+        '<skipped message="why"/></testcase></testsuite></testsuites>'
+    )
+    assert summarize(str(ok)) == (0, "1 passed, 0 failed, 0 errors, 1 SKIPPED [1x why]")
+    assert summarize("--strict", str(ok))[0] == 1

@@ -2,19 +2,35 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
-# Run HERE (CPU, full vLLM installed) before a GPU call: stages the patched
-# stock sources into .device/stock and checks that .device holds the CuTe DSL
-# bundle (../shared/device/cutedsl-bundle.sh .device makes it).
+# Run HERE (CPU, the pinned vllm installed) before a GPU call, from anywhere:
 #
-#   tools/kernel_env/prepare.sh           # PYTHON: a python with the pinned vllm
-#   KPOOL_TREE=DIR tools/kernel_env/prepare.sh   # stage from a patched tree
+#   prepare.sh                  stage the patched stock sources and quack into
+#                               .device/stock; check .device (the CuTe DSL bundle
+#                               of ../shared/device/cutedsl-bundle.sh) and its size
+#   prepare.sh --stock-topk     also the wheel's top-k binary, xz-compressed,
+#                               into .device2/c.so.xz (for gpu_tier.sh --stock-topk)
 #
-# The pinned vllm is the version in patches/base.json. The patched tree is the
-# overlay tools/overlay.py builds (a hard-link copy of the installed vllm with
-# the patch set applied, cached in build/overlay).
+# PYTHON: a python with the pinned vllm (patches/base.json), default python3;
+# KPOOL_TREE=DIR stages from that patched tree instead of the overlay that
+# tools/overlay.py builds (a hard-link copy of the installed vllm with the
+# patch set applied). .device and .device2 must be git-ignored (.device2 is
+# added to the git exclude file when missing): they travel only as carried.
 set -euo pipefail
+case ${1:-} in
+  -h | --help) sed -n '5,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+  "" | --stock-topk) ;;
+  *) echo "prepare.sh: unknown argument $1 (--help)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/../.."
 py=${PYTHON:-python3}
+limit=$((64 * 1024 * 1024))
+tree_bytes=$(git ls-files -co --exclude-standard -z |
+  { xargs -0 stat -c %s -- 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}')
+fits() {  # DIR: what a call carrying DIR sends (the tree and DIR) stays under the limit
+  local total=$(($(du -sb "$1" | cut -f1) + tree_bytes))
+  echo "prepare.sh: $1 plus the tree: $((total / 1024)) KiB of $((limit / 1024))"
+  [ "$total" -lt "$limit" ] || { echo "prepare.sh: $1 is too big to travel" >&2; exit 1; }
+}
 
 tree=${KPOOL_TREE:-}
 if [ -z "$tree" ]; then
@@ -27,21 +43,28 @@ if stock is None:
     sys.exit(f"prepare.sh: no vllm installed for {sys.executable}; expected vllm=={v}"
              " (patches/base.json): set PYTHON to a python that has it, or KPOOL_TREE")
 try:
-    print(overlay.build_overlay(stock, log=lambda m: print(m, file=sys.stderr)))
+    print(overlay.build_overlay(stock))
 except patchset.PatchsetError as e:
     sys.exit(f"prepare.sh: {e}")
 ')
 fi
 "$py" tools/kernel_env/stage.py --tree "$tree" --dest .device/stock
-
-if ! ls .device/cutedsl-*.tar.xz >/dev/null 2>&1 || [ ! -f .device/env.sh ]; then
+if ! compgen -G ".device/cutedsl-*.tar.xz" >/dev/null || [ ! -f .device/env.sh ]; then
   echo "prepare.sh: no CuTe DSL bundle in .device; run ../shared/device/cutedsl-bundle.sh .device" >&2
   exit 1
 fi
-du -sh .device/* | sed 's/^/prepare.sh: /'
-total=$(du -sm .device | cut -f1)
-if [ "$total" -ge 63 ]; then
-  echo "prepare.sh: .device is ${total} MiB; the tree that travels must stay under 64 MiB" >&2
-  exit 1
+fits .device
+
+if [ "${1:-}" = --stock-topk ]; then
+  git check-ignore -q .device2/c.so.xz ||
+    echo /.device2/ >>"$(git rev-parse --git-path info/exclude)"
+  wheel=$("$py" -c 'from tools import patchset as p; print(p.default_wheel(p.Patchset.load()))')
+  [ -f "$wheel" ] || { echo "prepare.sh: $wheel not found (make test fetches it)" >&2; exit 1; }
+  mkdir -p .device2
+  unzip -p "$wheel" vllm/_C_stable_libtorch.abi3.so | xz -6 -T2 >.device2/c.so.xz.part
+  mv .device2/c.so.xz.part .device2/c.so.xz
+  fits .device2
 fi
-echo "prepare.sh: ready; on the GPU machine run tools/kernel_env/gpu_tier.sh (carry .device)"
+echo "prepare.sh: ready; on the GPU machine: tools/kernel_env/gpu_tier.sh (carry .device)"
+[ "${1:-}" != --stock-topk ] ||
+  echo "prepare.sh: then at once: tools/kernel_env/gpu_tier.sh --stock-topk .device2/c.so.xz (carry .device2)"

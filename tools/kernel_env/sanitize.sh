@@ -2,37 +2,60 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
-# compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over the GPU
-# tier's kernels on its fuzz inputs (padded and partially invalid batches
-# included), on the kernel-only GPU machine, after tools/kernel_env/prepare.sh:
+# compute-sanitizer over the kernels' fuzz loops on the kernel-only GPU
+# machine, from the project root, after tools/kernel_env/prepare.sh here
+# (carry .device):
 #
-#   tools/kernel_env/sanitize.sh [pytest -k expression]
+#   sanitize.sh [TOOL...]    memcheck racecheck initcheck synccheck (default: all)
 #
-# KPOOL_FUZZ_CASES (default 16) sets the cases per fuzz loop: the sanitizer
-# slows every launch. KPOOL_SANITIZE_TOOLS picks tools, KPOOL_SANITIZE_TIMEOUT
-# (seconds, default 150) bounds each. Prints one summary line per tool; logs go to $OUT (or
-# /tmp). Exits non-zero if any tool reported an error or a test failed.
+# Each tool runs one pytest per kernel test module (MODULES), drawing fewer
+# fuzz cases where the tool is slow (CASES), each run bounded (BOUND, seconds)
+# so that it ends with the tool's own summary. Prints one line per tool: the
+# errors it reported, the tests' outcome (gpu_tier.sh --summarize), each
+# run's exit status (124: out of its bound). KPOOL_SANITIZE_K selects tests
+# (pytest -k, default "not graph"); KPOOL_SANITIZE_MODULES overrides the
+# modules. Logs and JUnit XML go to $OUT (else a new /tmp dir). Exits
+# non-zero if a tool reported an error, a test failed or a run did not end.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+here=$(cd "$(dirname "$0")" && pwd)
+d=tests/models/glm5next/specialized_decode
+MODULES=${KPOOL_SANITIZE_MODULES:-"$d/test_update.py $d/test_expand.py $d/test_remap.py $d/test_upcast.py $d/test_select.py"}
+declare -A CASES=([memcheck]=16 [synccheck]=16 [initcheck]=6 [racecheck]=2)
+declare -A BOUND=([memcheck]=90 [synccheck]=90 [initcheck]=90 [racecheck]=180)
+case ${1:-} in -h | --help) sed -n '5,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;; esac
+tools=("$@")
+[ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck initcheck synccheck)
+for tool in "${tools[@]}"; do
+  [ -n "${CASES[$tool]:-}" ] || { echo "sanitize.sh: unknown tool $tool (--help)" >&2; exit 2; }
+done
+cd "$here/../.."
 # shellcheck disable=SC1091
 source .device/env.sh >/dev/null || exit 1
+rm -rf /tmp/kpool-stock && cp -r .device/stock /tmp/kpool-stock  # for gpu_tier.sh --stock-topk
 export KPOOL_KERNEL_ONLY=1 KPOOL_STOCK=${KPOOL_STOCK:-.device/stock}
-export KPOOL_FUZZ_CASES=${KPOOL_FUZZ_CASES:-16}
-logs=${OUT:-/tmp}
-select=${1:-not graph}
+logs=${OUT:-$(mktemp -d /tmp/kpool-sanitize.XXXXXX)}
+mkdir -p "$logs"
 status=0
-for tool in ${KPOOL_SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
-  log="$logs/sanitize-$tool.log"
-  # API errors are off: cuda-python probes driver entry points that do not
-  # exist (cuGetProcAddress), which is not a kernel's memory error.
-  timeout "${KPOOL_SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool "$tool" \
-    --report-api-errors no --print-limit 20 --error-exitcode 99 \
-    python3 -m pytest -q -p no:cacheprovider tests/models/glm5next/specialized_decode -m gpu \
-    -k "$select" >"$log" 2>&1
-  rc=$?
-  summary=$(grep -hE "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1)
-  tests=$(grep -hE "passed|failed" "$log" | tail -1)
-  echo "$tool: ${summary:-no summary} | pytest: ${tests:-none} | exit $rc"
-  [ "$rc" -eq 0 ] || status=1
+for tool in "${tools[@]}"; do
+  errors=0 runs=0 summarized=0 codes="" xmls=()
+  # shellcheck disable=SC2086
+  for module in $MODULES; do
+    name="$tool-$(basename "$module" .py)"
+    # API errors are off: cuda-python probes driver entry points that do not
+    # exist (cuGetProcAddress), which is not a kernel's memory error.
+    KPOOL_FUZZ_CASES=${CASES[$tool]} timeout "${BOUND[$tool]}" compute-sanitizer \
+      --tool "$tool" --report-api-errors no --print-limit 20 --error-exitcode 99 \
+      python3 -m pytest -q -p no:cacheprovider "$module" -m "gpu and not stock_topk" \
+      -k "${KPOOL_SANITIZE_K:-not graph}" --junitxml="$logs/$name.xml" >"$logs/$name.log" 2>&1
+    rc=$?
+    summary=$(grep -hE "(ERROR|RACECHECK) SUMMARY" "$logs/$name.log" | tail -1)
+    found=$(grep -oE "[0-9]+ errors?" <<<"$summary" | tr -dc 0-9)
+    [ -n "$summary" ] && summarized=$((summarized + 1)) && errors=$((errors + ${found:-0}))
+    runs=$((runs + 1)) codes="$codes $rc" xmls+=("$logs/$name.xml")
+    [ "$rc" -eq 0 ] && [ -n "$summary" ] || status=1
+  done
+  tests=$("$here/gpu_tier.sh" --summarize "${xmls[@]}") || status=1
+  echo "$tool: $errors errors reported ($summarized of $runs runs summarized) | pytest: $tests | exit:$codes"
 done
+echo "sanitize.sh: logs in $logs"
 exit $status

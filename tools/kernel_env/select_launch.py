@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Three launches of the select's auto key on ``rows`` x ``width`` random
-normals with full row ends, for a profiler to catch one (select_gpu.sh's
-ncu part), in the kernel-only environment:
+"""Three ``select_topk`` launches (k 512) on ``rows`` x ``width`` random
+normals with full row ends, for a profiler to catch one (``gpu_tier.sh
+--select-ncu``), in the kernel-only environment; prints the compile key:
 
     python3 tools/kernel_env/select_launch.py ROWS WIDTH float32|bfloat16
 """
@@ -10,6 +10,9 @@ ncu part), in the kernel-only environment:
 import sys
 from pathlib import Path
 
+if len(sys.argv) != 4:
+    print(__doc__)
+    sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tools.kernel_env.shim import install_from_env  # noqa: E402
@@ -18,20 +21,19 @@ install_from_env()
 
 import torch  # noqa: E402
 
-from vllm.models.glm5next.nvidia.specialized_decode.select_kernel import (  # noqa: E402
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (  # noqa: E402
     SELECT,
-    SelectArgs,
 )
+from vllm.models.glm5next.nvidia.specialized_decode.kpool import select_topk  # noqa: E402
 
 
 def main(rows: int, width: int, dtype: str) -> None:
     logits = torch.randn(rows, width, device="cuda").to(getattr(torch, dtype))
     ends = torch.full((rows,), width, dtype=torch.int32, device="cuda")
     out = torch.empty(rows, 512, dtype=torch.int32, device="cuda")
-    args = SelectArgs(logits, ends, 512, out)
-    print("key", SELECT.key_for(args))
+    print("key", SELECT.spec(logits=logits, ends=ends, k=512, out=out)[0])
     for _ in range(3):
-        SELECT.run(args)
+        select_topk(logits, ends, 512, out=out)
     torch.cuda.synchronize()
 
 

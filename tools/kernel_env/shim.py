@@ -3,48 +3,46 @@
 """A minimal ``vllm`` package for a machine with torch, triton and CuTe DSL
 but no vLLM: the stock code runs from its own staged source.
 
-``install(stock_dir, repo_root)`` registers in ``sys.modules``:
+``install(stock_dir, repo_root)`` checks the stage (``stage.verify``), puts
+its quack package on ``sys.path`` (unpacked once into the temp dir) and
+registers in ``sys.modules``:
 
-- the ``STOCK`` modules given as ``None``: the whole staged file, imported as
-  that module (``jit_warmup``, ``jit_warmup_cutedsl_helper``, the GLM-5-Next
-  indexer helpers, ``kpool_compress``);
-- the other ``STOCK`` modules: only the listed definitions, lifted verbatim
-  from the staged file with ``ast`` (decorators included, original file name
-  and line numbers kept, so ``inspect.getsource`` and Triton see the stock
-  text) and executed in the module's namespace. This serves the patched
-  ``sparse_attn_indexer_kpool`` with its real helpers, metadata classes,
-  forward context, breakable CUDA graph capture, index group and sparse MLA
-  metadata;
-- ``LAUNCHERS``: the stock ``VllmTritonJitKernel`` singletons the lifted code
-  calls (the remap and the pack/unpack kernels), each its stock ``__call__``
-  (a LaunchSpec under the stock ``kernel_launcher``) bound to its lifted
-  Triton kernel;
-- class members listed for a stand-in class (``SparseMLACommonImpl``'s
-  flags): lifted, then set on the stand-in;
 - ``stubs.stubs()``: stand-ins for what cannot load there (DeepGEMM, the
-  CUDA top-k, ``vllm._custom_ops``, the workspace manager, distributed groups,
-  the platform, config objects); each one that is called raises, naming
-  itself, unless a caller (the test driver) replaces it first.
-  ``set_mx_scales`` forces ``mqa_logits_use_mx_scales()``.
+  CUDA top-k, ``vllm._custom_ops``, the platform, configs, the sparse MLA
+  impl classes); a stand-in function raises, naming itself, unless a caller
+  (a test driver) replaced it first;
+- the ``stage.STOCK`` modules given as ``None``: the whole staged file,
+  imported as that module;
+- the other ``STOCK`` modules: only the listed definitions, lifted verbatim
+  from the staged file with ``ast`` (decorators included, file name and line
+  numbers kept, so ``inspect.getsource`` and Triton see the stock text) and
+  executed in the module's namespace; a listed ``Class.member`` of a
+  stand-in class is set on it (an undecorated method there is compiled with
+  postponed annotations: they may name classes of its file not lifted);
+- ``LAUNCHERS``: the stock ``VllmTritonJitKernel`` singletons the lifted
+  code calls, each its stock ``__call__`` bound to its lifted Triton kernel.
 
 Package ``__path__``s hold the staged directory and the repository's, so the
 fork's own ``vllm.models.glm5next.nvidia.specialized_decode`` imports too.
-Install before anything imports ``vllm``; the real package is refused.
+Install before anything imports ``vllm`` or ``quack``.
 """
 
 import __future__
 
 import ast
+import contextlib
 import importlib
 import importlib.machinery
-import importlib.util
 import os
+import shutil
 import sys
+import tarfile
+import tempfile
 import types
 from pathlib import Path
 from typing import Any
 
-from .stage import verify
+from .stage import QUACK, STOCK, verify
 from .stubs import init_logger, mqa_logits_use_mx_scales, set_mx_scales
 from .stubs import stubs as _stubs
 
@@ -56,100 +54,12 @@ __all__ = [
     "set_mx_scales",
 ]
 
-_WARMUP = "vllm.model_executor.warmup"
-_MLA = "vllm.v1.attention.backends.mla"
-_INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
-# Stock modules served from the staged files: the definitions lifted from
-# each ("Class.member" for a class member), or None to import the whole file.
-# Order matters: a module's stock imports are resolved when it is built.
-STOCK: dict[str, tuple[str, ...] | None] = {
-    f"{_WARMUP}.jit_warmup": None,
-    f"{_WARMUP}.jit_warmup_cutedsl_helper": None,
-    f"{_WARMUP}.jit_warmup_triton_helper": (
-        "LaunchSpec",
-        "_LaunchBindingPlan",
-        "_launch_binding_plan",
-    ),
-    "vllm.config.compilation": ("CompilationMode", "CUDAGraphMode"),
-    "vllm.forward_context": (
-        "BatchDescriptor",
-        "DPMetadata",
-        "ForwardContext",
-        "_forward_context",
-        "get_forward_context",
-        "is_forward_context_available",
-        "in_piecewise_cudagraph",
-        "override_forward_context",
-    ),
-    "vllm.compilation.breakable_cudagraph": (
-        "_weak_ref_capture_arg",
-        "eager_break_during_capture",
-        "BreakableCUDAGraphCapture",
-    ),
-    "vllm.utils.deep_gemm": (
-        "_UNIT_UE8M0_X4",
-        "_unit_mx_scales",
-        "mqa_logits_mx_inputs",
-    ),
-    "vllm.v1.attention.ops.common": (
-        "PackSeqTritonKernel.kernel",
-        "PackSeqTritonKernel.__call__",
-        "pack_ue8m0_x4",
-        "pack_seq_triton",
-        "UnpackSeqTritonKernel.kernel",
-        "UnpackSeqTritonKernel.__call__",
-        "unpack_seq_triton",
-    ),
-    _INDEXER: (
-        "_assert_cutedsl_dcp_merge_supported",
-        "_merge_dcp_topk_global",
-        "_upcast_logits_kernel",
-        "as_fp32_logits",
-        "PrefillRowShard",
-        "_reserve_row_shard_exchange_transient",
-    ),
-    f"{_MLA}.sparse_utils": (
-        "flat_kv_row_view",
-        "ConvertReqIndexToGlobalIndexKernel.sparse_mla_index_remap_kernel",
-        "ConvertReqIndexToGlobalIndexKernel.__call__",
-        "_remap_tiling",
-        "triton_convert_req_index_to_global_index",
-    ),
-    f"{_MLA}.index_group": (
-        "_create_side_stream",
-        "_create_event",
-        "SparseMLAIndexGroup",
-    ),
-    # Members lifted onto the module's stand-in class (the impl flags the
-    # stage reads and sets; patch 0005 adds the second), and the sparse MLA
-    # metadata (the planned-step test accepts MLACommonMetadata's kind).
-    "vllm.model_executor.layers.attention.sparse_mla_attention": (
-        "SparseMLACommonImpl.group_conversion_decode_only",
-        "SparseMLACommonImpl.convert_decode_through_index_group",
-        "SparseMLAPrefillMetadata",
-        "SparseMLACommonMetadata",
-    ),
-    f"{_MLA}.indexer": (
-        "DeepseekV32IndexerPrefillChunkMetadata",
-        "DeepseekV32IndexerPrefillMetadata",
-        "DeepSeekV32IndexerDecodeMetadata",
-        "DeepseekV32IndexerMetadata",
-        "_kpool_tail_slot_mapping_kernel",
-        "compute_kpool_tail_slot_mapping",
-    ),
-    "vllm.models.glm5next.common.sparse_indexer": None,
-    "vllm.models.glm5next.nvidia.ops.kpool_compress": None,
-    "vllm.models.glm5next.nvidia.sparse_indexer": (
-        "SPECIALIZED_KPOOL",
-        "_kpool_compress_insert",
-        "sparse_attn_indexer_kpool",
-    ),
-}
 # Names a stock package re-exports from a STOCK module (as its __init__ does).
 EXPORTS = {
     "vllm.config.compilation": ("vllm.config", ("CompilationMode", "CUDAGraphMode"))
 }
 # Stock kernel singletons: "module.NAME" -> (class, its Triton kernel member).
+_MLA = "vllm.v1.attention.backends.mla"
 LAUNCHERS = {
     f"{_MLA}.sparse_utils._CONVERT_REQ_INDEX_TO_GLOBAL_INDEX_KERNEL": (
         "ConvertReqIndexToGlobalIndexKernel",
@@ -164,7 +74,9 @@ LAUNCHERS = {
         "kernel",
     ),
 }
-
+_BINDING_PLAN = (
+    "vllm.model_executor.warmup.jit_warmup_triton_helper._launch_binding_plan"
+)
 # What install() lifted, by "module.name" (as in STOCK), for tests and
 # debugging; LIFTED_SOURCE holds each one's statement text from the staged file.
 LIFTED: dict[str, Any] = {}
@@ -200,13 +112,10 @@ class _KernelLauncher:
         return outputs[0] if outputs else None
 
 
-def _module(
-    name: str, dirs: tuple[Path, ...], package: bool = False, **attrs: Any
-) -> types.ModuleType:
+def _module(name: str, dirs: tuple[Path, ...], package: bool = False, **attrs: Any):
     """Register ``name`` and its parents in ``sys.modules`` (parents, and
     ``name`` if ``package``, as packages over ``dirs``); set ``attrs`` on it."""
-    parts = name.split(".")
-    parent = None
+    parts, parent = name.split("."), None
     for depth in range(1, len(parts) + 1):
         full = ".".join(parts[:depth])
         module = sys.modules.get(full)
@@ -216,35 +125,27 @@ def _module(
             if parent is not None:
                 setattr(parent, parts[depth - 1], module)
         if (depth < len(parts) or package) and not hasattr(module, "__path__"):
-            module.__path__ = [
-                str(d.joinpath(*parts[:depth]))
-                for d in dirs
-                if d.joinpath(*parts[:depth]).is_dir()
-            ]
+            where = [d.joinpath(*parts[:depth]) for d in dirs]
+            module.__path__ = [str(d) for d in where if d.is_dir()]
             module.__spec__.submodule_search_locations = module.__path__
         parent = module
     vars(parent).update(attrs)
     return parent
 
 
-def _find(body: list[ast.stmt], name: str) -> ast.stmt:
-    for node in body:
-        if isinstance(node, ast.AnnAssign):
-            targets = [node.target]
-        else:
-            targets = getattr(node, "targets", [node])
-        if any(getattr(t, "id", getattr(t, "name", None)) == name for t in targets):
-            return node
-    raise LookupError(f"stock definition {name!r} not found")
-
-
 def find_definition(tree: ast.Module, qualname: str) -> ast.stmt:
     """The statement defining ``qualname`` ("name" or "Class.member")."""
-    *owner, attr = qualname.split(".")
-    body = tree.body
-    for cls in owner:
-        body = _find(body, cls).body
-    return _find(body, attr)
+    body: list[ast.stmt] = tree.body
+    for part in qualname.split("."):
+        for node in body:
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else None
+            targets = targets or getattr(node, "targets", [node])
+            if any(getattr(t, "id", getattr(t, "name", None)) == part for t in targets):
+                found, body = node, getattr(node, "body", [])
+                break
+        else:
+            raise LookupError(f"stock definition {qualname!r} not found")
+    return found
 
 
 def definition_source(text: str, qualname: str) -> str:
@@ -255,7 +156,7 @@ def definition_source(text: str, qualname: str) -> str:
     return "\n".join(text.splitlines()[first - 1 : node.end_lineno])
 
 
-def _lift(module: types.ModuleType, path: Path, names: tuple[str, ...]) -> dict:
+def _lift(module: types.ModuleType, path: Path, names: list[str]) -> dict:
     """Execute the stock definitions ``names`` of ``path`` in ``module``'s
     namespace, after binding the names they use from the file's own imports
     (vLLM's from ``sys.modules``, the others imported). Returns
@@ -281,15 +182,15 @@ def _lift(module: types.ModuleType, path: Path, names: tuple[str, ...]) -> dict:
                     _bind_imports(module, inner, used, vllm_only=True)
     lifted = {}
     for name, node in nodes.items():
-        code = compile(ast.Module([node], []), str(path), "exec", flags, True)
+        method = isinstance(node, ast.FunctionDef) and not node.decorator_list
+        late = __future__.annotations.compiler_flag if "." in name and method else 0
+        code = compile(ast.Module([node], []), str(path), "exec", flags | late, True)
         scope: dict[str, Any] = {}
         exec(code, vars(module), scope)
-        attr = name.rpartition(".")[2]
-        obj = lifted[name] = scope[attr]
-        if isinstance(obj, staticmethod):
-            obj = lifted[name] = obj.__func__
+        obj = scope[name.rpartition(".")[2]]
+        lifted[name] = obj.__func__ if isinstance(obj, staticmethod) else obj
         if "." not in name:
-            setattr(module, attr, obj)
+            setattr(module, name, obj)
         LIFTED_SOURCE[f"{module.__name__}.{name}"] = definition_source(text, name)
     return lifted
 
@@ -300,7 +201,7 @@ def _bind_imports(
     """Bind the names of one import statement that the lifted code uses."""
     aliases = [a for a in node.names if (a.asname or a.name).split(".")[0] in used]
     source = getattr(node, "module", None) or node.names[0].name
-    if not aliases or (node.level if isinstance(node, ast.ImportFrom) else 0):
+    if not aliases or getattr(node, "level", 0):
         return
     if source.split(".")[0] != "vllm":
         if not vllm_only:
@@ -317,15 +218,30 @@ def _bind_imports(
             setattr(module, alias.asname or alias.name.split(".")[0], value)
 
 
+def _unpack_quack(archive: Path, digest: str) -> Path:
+    """The directory holding the staged quack package, unpacked once per
+    archive digest into the temp dir."""
+    site = Path(tempfile.gettempdir()) / f"kpool-quack-{digest[:16]}"
+    if not (site / "quack" / "utils.py").is_file():
+        partial = Path(tempfile.mkdtemp(prefix="kpool-quack-"))
+        with tarfile.open(archive) as tar:
+            tar.extractall(partial, filter="data")
+        with contextlib.suppress(OSError):  # another process unpacked it first
+            partial.rename(site)
+        shutil.rmtree(partial, ignore_errors=True)
+    return site
+
+
 def install(stock_dir: str | os.PathLike, repo_root: str | os.PathLike) -> None:
     """Register the shim ``vllm`` (see the module docstring). Idempotent."""
     stock, repo = Path(stock_dir).resolve(), Path(repo_root).resolve()
     vllm = sys.modules.get("vllm")
-    if vllm is not None:
-        if getattr(vllm, "__kernel_env__", None) == (stock, repo):
-            return
-        raise RuntimeError(f"{vllm!r} is already imported: install the shim first")
-    verify(stock, repo / "patches")
+    if vllm is not None and getattr(vllm, "__kernel_env__", None) == (stock, repo):
+        return
+    if vllm is not None or "quack" in sys.modules:
+        raise RuntimeError("vllm or quack is already imported: install the shim first")
+    files = verify(stock, repo / "patches")
+    sys.path.insert(0, str(_unpack_quack(stock / QUACK, files[QUACK])))
     try:
         _build(stock, repo)
     except BaseException:
@@ -341,7 +257,6 @@ def _build(stock: Path, repo: Path) -> None:
     _module("vllm", dirs, package=True)
     for name, attrs in _stubs().items():
         _module(name, dirs, **attrs)
-    binding_plan = f"{_WARMUP}.jit_warmup_triton_helper._launch_binding_plan"
     for name, names in STOCK.items():
         path = stock.joinpath(*name.split(".")).with_suffix(".py")
         if names is None:
@@ -352,29 +267,25 @@ def _build(stock: Path, repo: Path) -> None:
             finally:
                 sys.dont_write_bytecode = bytecode
         else:
-            module = _module(name, dirs, __file__=str(path))
-            for key, obj in _lift(module, path, names).items():
+            module, lifted = _module(name, dirs, __file__=str(path)), names.split()
+            for key, obj in _lift(module, path, lifted).items():
                 LIFTED[f"{name}.{key}"] = obj
                 owner, _, member = key.rpartition(".")
                 stand_in = getattr(module, owner, None) if owner else None
-                if isinstance(stand_in, type) and owner not in names:
+                if isinstance(stand_in, type) and owner not in lifted:
+                    if isinstance(obj, types.FunctionType):
+                        obj.__qualname__ = key  # as defined in its class
                     setattr(stand_in, member, obj)
         for launcher, (owner, kernel) in LAUNCHERS.items():
             where, _, attr = launcher.rpartition(".")
             if where == name:
-                setattr(
-                    sys.modules[name],
-                    attr,
-                    _KernelLauncher(
-                        LIFTED[f"{name}.{owner}.{kernel}"],
-                        LIFTED[f"{name}.{owner}.__call__"],
-                        LIFTED[binding_plan],
-                    ),
-                )
-        if name in EXPORTS:
-            target, exported = EXPORTS[name]
-            for attr in exported:
-                setattr(sys.modules[target], attr, getattr(sys.modules[name], attr))
+                kernel_fn = LIFTED[f"{name}.{owner}.{kernel}"]
+                call = LIFTED[f"{name}.{owner}.__call__"]
+                launch = _KernelLauncher(kernel_fn, call, LIFTED[_BINDING_PLAN])
+                setattr(sys.modules[name], attr, launch)
+        target, exported = EXPORTS.get(name, ("", ()))
+        for attr in exported:
+            setattr(sys.modules[target], attr, getattr(sys.modules[name], attr))
     sys.modules["vllm"].__kernel_env__ = (stock, repo)
 
 
@@ -389,24 +300,29 @@ def install_from_env() -> bool:
 
 
 def main() -> None:
-    """Preflight on the GPU machine: install from the environment and print
-    what loaded (``python3 -m tools.kernel_env.shim``)."""
+    """Preflight on the GPU machine: install from the environment, import
+    the whole product and print what loaded."""
+    if sys.argv[1:]:
+        print("python3 -m tools.kernel_env.shim: " + (main.__doc__ or ""))
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     import torch
     import triton
 
-    from tools.kernel_env import shim
-
-    if not shim.install_from_env():
+    if not install_from_env():
         sys.exit("set KPOOL_KERNEL_ONLY=1 (and KPOOL_STOCK) to install the shim")
-    stock, _ = sys.modules["vllm"].__kernel_env__
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "no CUDA"
-    importlib.import_module("vllm.models.glm5next.nvidia.specialized_decode.kpool")
+    stock, repo = sys.modules["vllm"].__kernel_env__
+    product = "vllm.models.glm5next.nvidia.specialized_decode"
+    for path in sorted((repo / product.replace(".", "/")).rglob("*.py")):
+        parts = path.relative_to(repo).with_suffix("").parts
+        importlib.import_module(
+            ".".join(parts[: -1 if path.stem == "__init__" else None])
+        )
+    cuda = torch.cuda.is_available()
     print(
         f"kernel env: stock {stock}, torch {torch.__version__}, triton "
-        f"{triton.__version__}, {name}, mqa_logits_use_mx_scales "
-        f"{shim.mqa_logits_use_mx_scales()}, {len(shim.LIFTED)} lifted, "
-        f"{sum(n is None for n in STOCK.values())} whole modules"
+        f"{triton.__version__}, {torch.cuda.get_device_name() if cuda else 'no CUDA'}"
+        f", quack {sys.modules['quack'].__file__}, mqa_logits_use_mx_scales "
+        f"{mqa_logits_use_mx_scales()}, {len(LIFTED)} lifted"
     )
 
 

@@ -2,25 +2,19 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The stand-ins of the kernel-only ``vllm`` (``shim.py``) for what cannot
 load without vLLM: DeepGEMM, the CUDA top-k, ``vllm._custom_ops``, the
-workspace manager, distributed groups, configs, the platform, the sparse
-MLA impl classes whose ``forward_mqa`` identity the stage checks (FlashMLA's
-and FlashInfer SM90's derive from ``SparseMLACommonImpl``'s, as in vLLM, so
-they inherit its lifted flags), and the MLA metadata bases the lifted
-``SparseMLACommonMetadata`` derives from (``mla_attention.py`` is not staged:
-``MLACommonMetadata`` here has the stock dataclass's fields, which
-``tests/tools/test_kernel_env.py`` checks). Each stand-in function raises,
-naming itself, when called, unless a caller (the test driver,
-``tools/indexer/refs.py``) replaced it first. ``set_mx_scales`` forces
-``mqa_logits_use_mx_scales()``.
+workspace manager, distributed groups, configs, the platform, and classes
+named in annotations, bases and isinstance checks. The sparse MLA impl
+classes are stand-ins derived as in vLLM (FlashMLA's and FlashInfer SM90's
+from ``SparseMLACommonImpl``'s); the shim sets their stock flags and
+``forward_mqa`` on them. Each stand-in function raises, naming itself, when
+called, unless a caller (a test driver) replaced it first.
+``set_mx_scales`` forces ``mqa_logits_use_mx_scales()``.
 """
 
-import dataclasses
 import functools
 import importlib.util
 import logging
-from typing import Any, Generic, TypeVar
-
-_MLA = "vllm.v1.attention.backends.mla"
+from typing import Any
 
 _FLAGS: dict[str, bool | None] = {"mx_scales": None}
 
@@ -32,14 +26,14 @@ def set_mx_scales(flag: bool | None) -> None:
 
 def mqa_logits_use_mx_scales() -> bool:
     flag = _FLAGS["mx_scales"]
-    return _sm100_family() if flag is None else flag
+    return _capability()[0] == 10 if flag is None else flag
 
 
 @functools.cache
-def _sm100_family() -> bool:
+def _capability() -> tuple[int, int]:
     import torch
 
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 
 
 def init_logger(name: str) -> logging.Logger:
@@ -51,19 +45,17 @@ def init_logger(name: str) -> logging.Logger:
     return logger
 
 
-def _unavailable(module: str, qualname: str):
-    """A stand-in for ``module.qualname`` that raises when called (its
+def _unavailable(module: str, name: str):
+    """A stand-in for ``module.name`` that raises when called (its
     ``__module__`` and ``__qualname__`` are the stock ones)."""
 
     def missing(*args: Any, **kwargs: Any):
         raise RuntimeError(
-            f"{module}.{qualname} is not available in the kernel-only "
-            "environment; the caller must install a stand-in "
-            "(tools/indexer/refs.py)"
+            f"{module}.{name} is not available in the kernel-only environment;"
+            " the caller must install a stand-in"
         )
 
-    missing.__module__, missing.__qualname__ = module, qualname
-    missing.__name__ = qualname.rpartition(".")[2]
+    missing.__module__, missing.__qualname__, missing.__name__ = module, name, name
     return missing
 
 
@@ -71,9 +63,7 @@ class _Platform:
     """``current_platform``: CUDA when torch sees a GPU, else a CPU stand-in."""
 
     def is_cuda(self) -> bool:
-        import torch
-
-        return torch.cuda.is_available()
+        return _capability() != (0, 0)
 
     is_cuda_alike = is_cuda
 
@@ -89,90 +79,36 @@ class _Platform:
         return torch.float8_e4m3fn
 
     def is_device_capability(self, capability: int) -> bool:
-        import torch
-
-        major, minor = torch.cuda.get_device_capability() if self.is_cuda() else (0, 0)
+        major, minor = _capability()
         return self.is_cuda() and major * 10 + minor == capability
 
     def is_device_capability_family(self, family: int) -> bool:
-        import torch
-
-        return self.is_cuda() and torch.cuda.get_device_capability()[0] == family // 10
+        return self.is_cuda() and _capability()[0] == family // 10
 
 
-def _classes(
-    module: str, *names: str, methods: tuple[str, ...] = (), bases: tuple = ()
-) -> dict:
-    """Stand-in classes of ``module`` (annotations, isinstance checks, and
-    ``methods`` whose identity the stage checks: they raise if called)."""
-    return {
-        name: type(
-            name,
-            bases,
-            {"__module__": module}
-            | {m: _unavailable(module, f"{name}.{m}") for m in methods},
-        )
-        for name in names
-    }
-
-
-def _mla_metadata(attention_metadata: type) -> dict:
-    """``mla_attention``'s metadata classes: ``MLACommonMetadata`` with the
-    stock dataclass's fields (no ``__post_init__``: its head-size check
-    needs the MLA backend), the decode and prefill metadata as bases."""
-    import torch
-
-    module = "vllm.model_executor.layers.attention.mla_attention"
-    d = TypeVar("D")
-
-    @dataclasses.dataclass
-    class MLACommonMetadata(attention_metadata, Generic[d]):  # type: ignore[misc]
-        num_reqs: int
-        max_query_len: int
-        max_seq_len: int
-        num_actual_tokens: int
-        query_start_loc: torch.Tensor
-        slot_mapping: torch.Tensor
-        num_decodes: int
-        num_decode_tokens: int
-        num_prefills: int
-        causal: bool = True
-        head_dim: int | None = None
-        prefill: Any = None
-        decode: Any = None
-
-    MLACommonMetadata.__module__ = module
-    return {
-        "MLACommonMetadata": MLACommonMetadata,
-        **_classes(module, "MLACommonDecodeMetadata", "MLACommonPrefillMetadata"),
-    }
+def _classes(module: str, *names: str, bases: tuple = ()) -> dict[str, type]:
+    """Stand-in classes of ``module``."""
+    return {name: type(name, bases, {"__module__": module}) for name in names}
 
 
 def stubs() -> dict[str, dict[str, Any]]:
-    """Stand-ins for what the stock and fork modules import from vLLM.
-    Add one line here when the specialized decode imports something new."""
+    """Stand-ins for what the stock and fork modules import from vLLM, by
+    module. A new one is one entry here."""
     import torch
     import triton
     import triton.language as tl
 
-    def has_cutedsl() -> bool:
-        return importlib.util.find_spec("cutlass") is not None
-
     def ops(module: str, *names: str) -> dict[str, Any]:
         return {n: _unavailable(module, n) for n in names}
 
-    def classes(module: str, *names: str, methods: tuple[str, ...] = ()):
-        return {module: _classes(module, *names, methods=methods)}
+    def classes(module: str, *names: str, bases: tuple = ()) -> dict[str, dict]:
+        return {module: _classes(module, *names, bases=bases)}
 
-    forward = ("forward_mqa",)
-    backend = _classes("vllm.v1.attention.backend", "AttentionMetadata")
-    sparse_mla = _classes(
-        "vllm.model_executor.layers.attention.sparse_mla_attention",
-        "SparseMLACommonImpl",
-        methods=forward,
-    )
-    common = (sparse_mla["SparseMLACommonImpl"],)
-
+    mla = "vllm.v1.attention.backends.mla"
+    attention = "vllm.model_executor.layers.attention"
+    sparse_mla = _classes(f"{attention}.sparse_mla_attention", "SparseMLACommonImpl")
+    impl = (sparse_mla["SparseMLACommonImpl"],)
+    deep_gemm = "vllm.utils.deep_gemm"
     return {
         "vllm.logger": {"init_logger": init_logger},
         "vllm.envs": {"VLLM_SPARSE_INDEXER_MAX_LOGITS_MB": 512},
@@ -194,7 +130,7 @@ def stubs() -> dict[str, dict[str, Any]]:
             "indexer_k_quant_and_cache",
         ),
         "vllm.utils.import_utils": {
-            "has_cutedsl": has_cutedsl,
+            "has_cutedsl": lambda: importlib.util.find_spec("cutlass") is not None,
             "has_deep_gemm": lambda: False,
         },
         "vllm.utils.torch_utils": {
@@ -205,12 +141,10 @@ def stubs() -> dict[str, dict[str, Any]]:
             "LayerNameType": str,
             "_resolve_layer_name": lambda name: getattr(name, "value", name),
         },
-        "vllm.utils.deep_gemm": {
+        deep_gemm: {
             "mqa_logits_use_mx_scales": mqa_logits_use_mx_scales,
             "has_deep_gemm": lambda: False,
-            **ops(
-                "vllm.utils.deep_gemm", "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits"
-            ),
+            **ops(deep_gemm, "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits"),
         },
         "vllm.model_executor.layers.indexer_topk": ops(
             "vllm.model_executor.layers.indexer_topk", "get_indexer_topk"
@@ -218,28 +152,18 @@ def stubs() -> dict[str, dict[str, Any]]:
         "vllm.v1.worker.workspace": ops(
             "vllm.v1.worker.workspace", "current_workspace_manager"
         ),
-        "vllm.v1.attention.backend": backend,
-        "vllm.model_executor.layers.attention.mla_attention": _mla_metadata(
-            backend["AttentionMetadata"]
-        ),
+        **classes("vllm.v1.attention.backend", "AttentionMetadata"),
+        **classes(f"{attention}.mla_attention", "MLACommonPrefillMetadata"),
         **classes("vllm.v1.hisparse.runtime", "HiSparsePrefillStagingPlan"),
         **classes("vllm.v1.worker.ubatch_utils", "UBatchSlices"),
         **classes(
-            "vllm.model_executor.layers.fusion.quant_activation",
-            "QuantizedActivation",
+            "vllm.model_executor.layers.fusion.quant_activation", "QuantizedActivation"
         ),
-        # The sparse MLA impls whose forward_mqa the stage identifies.
-        "vllm.model_executor.layers.attention.sparse_mla_attention": sparse_mla,
-        f"{_MLA}.flashmla_sparse": _classes(
-            f"{_MLA}.flashmla_sparse",
-            "FlashMLASparseImpl",
-            methods=forward,
-            bases=common,
-        ),
-        f"{_MLA}.flashinfer_mla_sparse_sm90": _classes(
-            f"{_MLA}.flashinfer_mla_sparse_sm90",
+        f"{attention}.sparse_mla_attention": sparse_mla,
+        **classes(f"{mla}.flashmla_sparse", "FlashMLASparseImpl", bases=impl),
+        **classes(
+            f"{mla}.flashinfer_mla_sparse_sm90",
             "FlashInferMLASparseSM90Impl",
-            methods=forward,
-            bases=common,
+            bases=impl,
         ),
     }
