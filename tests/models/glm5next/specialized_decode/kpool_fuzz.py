@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""GPU fuzz plumbing of the kpool kernel tests: fresh seeds, poisoned
-outputs, byte comparisons, and the per-loop outcomes the conftest prints at
-the end of the run. (The tests are marked ``gpu``: the root conftest skips
-them without CUDA.)"""
+"""GPU fuzz plumbing of the kpool kernel tests: a fresh seed every run
+(``KPOOL_SEED`` replays one; case ``i`` draws from ``seed + i``), the cases
+a loop runs (``KPOOL_FUZZ_CASES``), the byte comparison of whole buffers,
+and the loops' outcomes the conftest prints at the end of the run. (The
+tests are marked ``gpu``: the root conftest skips them without CUDA.)"""
 
 import os
 import random
@@ -16,7 +17,6 @@ FUZZ_REPORT: list[str] = []
 
 
 def fuzz_seed() -> int:
-    """``KPOOL_SEED`` to replay a run, else a fresh seed every run."""
     return int(os.environ.get("KPOOL_SEED") or secrets.randbits(31))
 
 
@@ -24,51 +24,79 @@ def fuzz_cases(default: int) -> int:
     return int(os.environ.get("KPOOL_FUZZ_CASES") or default)
 
 
-def report(kernel: str, cases: int, seed: int, failures: list[str]) -> None:
-    """Records one fuzz loop's outcome and fails the test on any mismatch."""
+def report(name: str, cases: int, seed: int, failures: list[str]) -> None:
+    """Records one loop's outcome and fails the test on any mismatch."""
     FUZZ_REPORT.append(
-        f"{kernel}: {cases} cases, seed {seed}, {len(failures)} mismatches"
+        f"{name}: {cases} cases, seed {seed}, {len(failures)} mismatches"
     )
     assert not failures, (
-        f"{kernel}: {len(failures)} of {cases} cases differ from stock "
-        f"(replay with KPOOL_SEED={seed}):\n" + "\n".join(failures[:10])
+        f"{name}: {len(failures)} of {cases} cases differ (replay one with "
+        "KPOOL_SEED=<its seed> KPOOL_FUZZ_CASES=1):\n" + "\n".join(failures[:10])
     )
 
 
 def fuzz(
-    kernel: str,
+    name: str,
     default_cases: int,
-    case: Callable[[random.Random, torch.Generator], str | None],
+    check: Callable[[random.Random, torch.Generator], str | None],
     device: str = "cuda",
 ) -> None:
-    """The fuzz loop every kernel test runs: case ``i`` draws from its own
-    seed (``seed + i``, printed on failure, ``KPOOL_SEED`` replays), returns
-    what differed from stock or None; the outcome goes to the run's summary."""
+    """Runs ``check`` (what differed, or None) on each case's own seed."""
     seed, cases = fuzz_seed(), fuzz_cases(default_cases)
     failures = []
     for i in range(cases):
         rng = random.Random(seed + i)
         gen = torch.Generator(device).manual_seed(seed + i)
-        problem = case(rng, gen)
+        problem = check(rng, gen)
         if problem is not None:
             failures.append(f"seed {seed + i}: {problem}")
-    report(kernel, cases, seed, failures)
+    report(name, cases, seed, failures)
 
 
-def poison(shape, dtype, gen) -> torch.Tensor:
-    """Random bits of ``dtype`` (outputs are filled with it before a run, so
-    an unwritten byte cannot pass as a written one)."""
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-    bits = torch.randint(
-        0, 256, (nbytes,), dtype=torch.uint8, generator=gen, device=gen.device
+def differs(expected, written) -> str | None:
+    """Where the ``written`` buffers differ from the ``expected`` ones, byte
+    for byte over each whole buffer, or None."""
+    for i, (want, got) in enumerate(zip(expected, written, strict=True)):
+        a = want.reshape(-1).view(torch.uint8)
+        b = got.reshape(-1).view(torch.uint8)
+        if not torch.equal(a, b):
+            where = (a != b).nonzero().view(-1)
+            return (
+                f"buffer {i} {list(got.shape)}: {where.numel()} bytes differ, "
+                f"first at byte {int(where[0])} of {a.numel()}"
+            )
+    return None
+
+
+def launch_case(kernel, case) -> str | None:
+    """Launches ``case`` through ``kernel``'s own launch (the public
+    functions': compiled on first use) and compares every buffer it may
+    write with stock's; the launch returns ``out`` where there is one."""
+    got = kernel(**case.arguments)
+    torch.cuda.synchronize()
+    problem = differs(case.expected, case.written)
+    out = case.arguments.get("out")
+    if problem is None and out is not None and got is not out:
+        problem = "the launch did not return out"
+    return None if problem is None else f"{case.about}: {problem}"
+
+
+def stage_with(kernel, keys, device="cuda", mx_scales=True):
+    """A ``KpoolStage`` of no layers whose warmup compiled ``keys`` of
+    ``kernel``; each launch of one is recorded in ``stage.launched``."""
+    from vllm.models.glm5next.nvidia.specialized_decode.runtime.stage import (
+        KpoolStage,
     )
-    return bits.view(dtype).view(shape)
 
+    stage = KpoolStage([], 8, device, mx_scales=mx_scales)
+    stage.launched = []
 
-def differs(name: str, expected: torch.Tensor, got: torch.Tensor) -> str | None:
-    """Where ``got`` differs from ``expected``, byte for byte, or None."""
-    a, b = expected.contiguous().view(torch.uint8), got.contiguous().view(torch.uint8)
-    if torch.equal(a, b):
-        return None
-    where = (a != b).nonzero()
-    return f"{name}: {where.shape[0]} bytes differ, first at {where[0].tolist()}"
+    def recorded(key, executor):
+        def launch(*args):
+            stage.launched.append(key)
+            executor(*args)
+
+        return launch
+
+    stage.executors = {key: recorded(key, kernel.executor(key)) for key in keys}
+    return stage

@@ -3,12 +3,14 @@
 """Randomized inputs of each kpool kernel and what its stock twin makes of
 them: the one place the kernels' edge values and layouts are drawn. The
 warmup self-check draws them in one compile key's layout (the deployment's);
-the GPU tests draw the key too.
+the GPU tests draw the key too (``*_case(rng, gen)``), from few layouts, so
+that a run compiles few variants.
 
 A ``Case`` holds the kernel's keyword arguments, every buffer the kernel may
-write (whole: rows and columns past its outputs, poisoned, included), and
-those buffers as the stock twin leaves them (computed when the case is
-drawn, before any launch). The opt-in select has no stock twin of the same
+write (whole: rows and columns past its outputs included, filled with random
+bytes first), and those buffers as the stock twin leaves them (computed when
+the case is drawn, before any launch; where stock leaves memory unwritten,
+only what it wrote is read). The opt-in select has no stock twin of the same
 bytes: its expected rows are its contract (``select_reference``)."""
 
 import random
@@ -22,17 +24,26 @@ from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
 
-from .constants import DIM, POOL
+from .constants import DIM, INT32_MAX, POOL
 from .cutedsl.expand.launch import EXPAND
 from .cutedsl.remap.launch import REMAP
 from .cutedsl.select.kernel import CAPACITIES, VECTOR
 from .cutedsl.select.launch import CLUSTERS, SELECT, cluster_for, slice_capacity
+from .cutedsl.upcast.kernel import GROUP_ROWS, TILE
 from .cutedsl.upcast.launch import UPCAST
 from .cutedsl.update.launch import UPDATE
 
-SPECIALS = (float("inf"), -float("inf"), float("nan"), -0.0, 1e-40, -1e-39, 3e38)
-# Written over every output buffer before a launch: no result is -7.
-POISON = -7
+# FP32 bit patterns (a BF16 takes each one's upper half, bit for bit): NaNs
+# of both signs (CUDA's canonical 0x7FFFFFFF too), +-inf, +-0.0, the
+# smallest FP32 and BF16 denormals of both signs, the largest finite BF16,
+# 3e38 (its sum over a pool overflows), +-1.
+SPECIALS = (
+    *(0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800000, 0xFF800000),
+    *(0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x00010000, 0x80010000),
+    *(0x7F7F0000, 0xFF7F0000, 0x7F61B1E6, 0x3F800000, 0xBF800000),
+)
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+INDICES = (torch.int32, torch.int64)
 
 
 @dataclass
@@ -40,90 +51,157 @@ class Case:
     arguments: dict
     written: tuple[torch.Tensor, ...]
     expected: tuple[torch.Tensor, ...]
+    about: str = ""  # the drawn shapes and edges, for a failure message
+
+
+def special_values(dtype: torch.dtype, device) -> torch.Tensor:
+    """``SPECIALS`` as FP32 or BF16 values, bit for bit (a rounding
+    conversion would drop a BF16 NaN's sign)."""
+    words = torch.tensor(SPECIALS, dtype=torch.int64, device=device).to(torch.int32)
+    if dtype == torch.bfloat16:
+        words = (words >> 16).to(torch.int16)
+    return words.view(dtype)
 
 
 def specials(values: torch.Tensor, rate: float, gen) -> torch.Tensor:
-    """``values`` with a ``rate`` share replaced by ``SPECIALS``."""
+    """FP32 or BF16 ``values`` with a ``rate`` share replaced by
+    ``SPECIALS``, bit for bit."""
     g = dict(generator=gen, device=values.device)
+    bits = _BITS[values.dtype]
+    table = special_values(values.dtype, values.device).view(bits)
+    picks = table[torch.randint(0, len(SPECIALS), values.shape, **g)]
     where = torch.rand(values.shape, **g) < rate
-    table = torch.tensor(SPECIALS, device=values.device)
-    return torch.where(
-        where, table[torch.randint(0, len(SPECIALS), values.shape, **g)], values
-    )
+    return torch.where(where, picks, values.view(bits)).view(values.dtype)
 
 
-def _poisoned(shape, dtype, device) -> torch.Tensor:
-    return torch.full(shape, POISON, dtype=dtype, device=device)
+def poisoned(shape, dtype, gen) -> torch.Tensor:
+    """Random bytes as ``dtype``: an output buffer before a launch, so that
+    a byte a kernel leaves unwritten cannot pass as a written one."""
+    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    bits = torch.randint(0, 256, (size,), generator=gen, device=gen.device)
+    return bits.to(torch.uint8).view(dtype).view(shape)
 
 
-# --- kpool_update --------------------------------------------------------------
+# --- kpool_update ---------------------------------------------------------------
+
+# (ring, page, page padding bytes, half and block padding elements): 12 and
+# 48 are not powers of two.
+LAYOUTS = ((4, 64, 0, 0, 0), (8, 16, 16, 0, 0), (16, 32, 4, 8, 512))
+LAYOUTS += ((12, 48, 8, 4, 128),)
+# How a request's keys and scores are drawn: ordinary, FP8 saturation, the
+# 1e-4 amax floor, zeros, ties across the pool members (the stashed ones
+# too), softmax underflow, each token its own magnitude, FP32 overflow of
+# the pooled sum and the Hadamard, specials.
+# (The keys' scale of each.)
+MODES = dict(normal=1, huge=3e4, tiny=1e-7, zeros=0, ties=1, sharp=1, slots=1)
+MODES |= dict(overflow=3e38, special=1)
+# A case's edge (weights): none, infinite keys, finite keys whose pooled
+# value overflows FP32 (stock's scale is +inf, MX byte 0xFF), int64
+# positions shifted by multiples of 2^32 (padding rows' -1 included).
+EDGES = {"none": 7, "inf key": 1, "overflow": 1, "far": 1}
+# A request's first position: small, at the int32 edge, beyond it (int64).
+STARTS = ((0, 5000), (2**31 - 6, 2**31 - 1), (2**32 - 3, 2**32 + 9))
+STARTS += ((2**40, 2**40 + 99),)
 
 
 def update_key(rng: random.Random):
-    """A cache layout, scale format and index dtypes (rings, pages and
-    paddings that are not powers of two included)."""
-    ring, page = rng.choice([4, 8, 12, 16]), rng.choice([16, 32, 48, 64])
-    tail_half = ring * DIM + 4 * rng.randint(0, 8)
-    mx, round_scale = rng.choice(
-        [(True, True), (True, False), (False, True), (False, False)]
-    )
-    return UPDATE.dispatch(
-        ring=ring,
-        page=page,
-        page_bytes=page * (DIM + 4) + 4 * rng.randint(0, 4),
-        tail_block=2 * tail_half + 4 * rng.randint(0, 32),
-        tail_half=tail_half,
-        mx_scales=mx,
-        round_scale=round_scale,
-        tail_slots_dtype=rng.choice([torch.int32, torch.int64]),
-        slots_dtype=rng.choice([torch.int32, torch.int64]),
-        positions_dtype=rng.choice([torch.int32, torch.int64]),
-    )
+    """A cache layout of ``LAYOUTS``, a scale format (MX, whose rounding
+    round_scale=False cannot turn off, or FP32 scales rounded or not), the
+    index dtypes."""
+    ring, page, page_pad, half_pad, block_pad = rng.choice(LAYOUTS)
+    half = ring * DIM + half_pad
+    layout = (ring, page, page * (DIM + 4) + page_pad, 2 * half + block_pad, half)
+    scales = (rng.random() < 0.5, rng.random() < 0.5)
+    index, positions = rng.choice(INDICES), rng.choice(INDICES)
+    return UPDATE.CompileKey(*layout, *scales, index, index, positions)
+
+
+def _update_values(modes, shape, edge, rng, gen):
+    """BF16 keys and scores [requests, tokens, 128], request ``r`` drawn as
+    ``modes[r]`` says, with the case's ``edge``."""
+    g = dict(generator=gen, device=gen.device)
+    key, score = torch.randn(shape, **g), torch.randn(shape, **g)
+    names = list(MODES)
+    mode = torch.tensor([names.index(m) for m in modes], device=gen.device)
+    mode = mode[:, None, None]
+    key = key * torch.tensor(list(MODES.values()), device=gen.device)[mode].float()
+    per_token = 10.0 ** torch.randint(-30, 30, shape[:2], **g).float()[..., None]
+    key = torch.where(mode == names.index("slots"), key * per_token, key)
+    score = torch.where(mode == names.index("sharp"), score * 60, score)
+    ties = mode == names.index("ties")
+    key, score = (torch.where(ties, v[:, :1], v) for v in (key, score))
+    if edge == "inf key":  # in some pools
+        for _ in range(8):
+            r, t = rng.randrange(shape[0]), rng.randrange(shape[1])
+            key[r, t, rng.randrange(DIM)] = rng.choice([1, -1]) * float("inf")
+    elif edge == "overflow":
+        key.mul_(3e38 / max(float(key.abs().nan_to_num(0, 0, 0).max()), 1e-30))
+    special = mode == names.index("special")
+    pairs = (key.bfloat16(), score.bfloat16())
+    return [torch.where(special, specials(v, 0.05, gen), v) for v in pairs]
 
 
 def update_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
     """A decode step's tail update in ``key``'s cache layout (drawn if
-    None): ordinary and FP8-saturating keys and scores, specials in keys,
-    scores and the ring, padding rows (-1), int64 positions beyond int32."""
+    None): 1-256 requests of 1-4 tokens, each request in one of ``MODES``,
+    one of ``EDGES``; positions from ``STARTS``, padding requests (-1) and
+    tokens (-1..-3); tail slots -1 (block 0, no request's, is read then);
+    slot writes on pool completions and some on other tokens (ignored);
+    specials in the tail ring and APE; keys a view of wider rows."""
     key = key or update_key(rng)
     device = gen.device
     g = dict(generator=gen, device=device)
-    requests, tokens = rng.randint(1, 8), rng.randint(1, 4)
+    requests = rng.choice([1, 2, 3, 8, 31, 64, 128, 255, 256, rng.randint(1, 256)])
+    tokens = rng.randint(1, 4)
+    wide = key.positions_dtype == torch.int64
+    low, high = rng.choice(STARTS if wide else STARTS[:2])
+    positions = torch.randint(low, high, (requests, 1), **g)
+    positions = positions + torch.arange(tokens, device=device)
+    if not wide:
+        positions = positions.clamp(max=INT32_MAX)
+    positions[torch.rand(requests, **g) < 0.08] = -1
+    pads = torch.randint(1, 4, (requests, tokens), **g)
+    positions = torch.where(torch.rand(requests, tokens, **g) < 0.03, -pads, positions)
+    blocks = requests + 4
+    owner = 1 + torch.randperm(requests + 3, **g)[:requests]
+    tail_slots = owner[:, None] * key.ring + positions.clamp(min=0) % key.ring
+    tail_slots[(positions < 0) | (torch.rand(requests, tokens, **g) < 0.05)] = -1
     pages = requests * tokens // key.page + 2
-    cache = torch.randint(0, 256, (pages * key.page_bytes,), dtype=torch.uint8, **g)
-    blocks = requests + 2
-    tail = torch.randn(blocks * key.tail_block, **g).to(torch.bfloat16)
-    if rng.random() < 0.3:
-        tail = specials(tail.float(), 0.01, gen).to(torch.bfloat16)
-    wide = key.positions_dtype == torch.int64 and rng.random() < 0.3
-    start = torch.randint(0, 4096, (requests, 1), **g) + (2**33 if wide else 0)
-    positions = start + torch.arange(tokens, device=device)
-    positions[torch.rand(requests, **g) < 0.1] = -1
-    # Block 0 is no request's: a completion with tail slot -1 reads it.
-    block = 1 + torch.randperm(blocks - 1, **g)[:requests, None]
-    tail_slots = torch.where(
-        positions >= 0, block * key.ring + positions % key.ring, -1
-    )
     free = torch.randperm(pages * key.page, **g)[: requests * tokens]
-    slots = torch.where(positions % POOL == POOL - 1, free.view(requests, tokens), -1)
-    magnitude = 10.0 ** rng.choice([0, 4, -6, 30, 38])
-    values = torch.randn(2, requests, tokens, DIM, **g) * magnitude
-    if rng.random() < 0.3:
-        values = specials(values, 0.02, gen)
-    keys, scores = values.to(torch.bfloat16)
+    completes = (positions >= 0) & (positions % POOL == POOL - 1)
+    writes = completes & (torch.rand(requests, tokens, **g) < 0.9)
+    writes |= torch.rand(requests, tokens, **g) < 0.05
+    slots = torch.where(writes, free.view(requests, tokens), -1)
+    edge = rng.choices(list(EDGES), weights=list(EDGES.values()))[0]
+    if edge == "far" and wide:
+        positions = positions + 2**32 * rng.randint(1, 8)
+    modes = [rng.choice(list(MODES)) for _ in range(requests)]
+    keys, scores = _update_values(modes, (requests, tokens, DIM), edge, rng, gen)
+    ape = torch.randn(POOL, DIM, **g) * rng.choice([0.0, 0.1, 1.0, 10.0])
+    if rng.random() < 0.1:
+        ape = specials(ape, 0.02, gen)
+    cache = torch.randint(0, 256, (pages * key.page_bytes,), dtype=torch.uint8, **g)
+    tail = torch.randn(blocks * key.tail_block, **g).bfloat16()
+    if "special" in modes:
+        tail = specials(tail, 0.02, gen)
+    tail_view = ((blocks, 2, key.ring, DIM), (key.tail_block, key.tail_half, DIM, 1))
+    # The stashed pool members of "ties" requests tie with the current ones.
+    ties = torch.tensor([m == "ties" for m in modes], device=device)
+    ring = tail.as_strided(*tail_view)
+    ring[owner[ties], 0], ring[owner[ties], 1] = keys[ties, :1], scores[ties, :1]
+    spare = rng.choice([0, 1])
+    rows = torch.randn(requests, tokens + spare, DIM, **g).bfloat16()
+    rows[:, :tokens] = keys
     arguments = dict(
         tail_slot_mapping=tail_slots.to(key.tail_slots_dtype),
-        key=keys,
+        key=rows[:, :tokens],
         slot_score=scores,
-        ape=torch.randn(POOL, DIM, **g),
+        ape=ape,
         slot_mapping=slots.to(key.slots_dtype),
         positions=positions.to(key.positions_dtype),
-        pool_size=POOL,
-        head_dim=DIM,
-        round_scale=key.round_scale,
     )
+    arguments |= dict(pool_size=POOL, head_dim=DIM, round_scale=key.round_scale)
     cache_view = ((pages, key.page, DIM + 4), (key.page_bytes, DIM + 4, 1))
-    tail_view = ((blocks, 2, key.ring, DIM), (key.tail_block, key.tail_half, DIM, 1))
     want = (cache.clone(), tail.clone())
     stock_mx = kpool_compress.mqa_logits_use_mx_scales
     kpool_compress.mqa_logits_use_mx_scales = lambda: key.mx_scales
@@ -133,129 +211,147 @@ def update_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
         )
     finally:
         kpool_compress.mqa_logits_use_mx_scales = stock_mx
-    arguments.update(
-        kv_cache=cache.as_strided(*cache_view),
-        tail_kv_cache=tail.as_strided(*tail_view),
-        mx_scales=key.mx_scales,
-    )
-    return Case(arguments, (cache, tail), want)
+    arguments |= dict(kv_cache=cache.as_strided(*cache_view), mx_scales=key.mx_scales)
+    arguments["tail_kv_cache"] = tail.as_strided(*tail_view)
+    about = f"{requests}x{tokens} from {low}, modes {sorted(set(modes))}, edge {edge}"
+    return Case(arguments, (cache, tail), want, about)
 
 
-# --- expand_pools -----------------------------------------------------------------
+# --- expand_pools ---------------------------------------------------------------
 
 
-def pool_ids(rows: int, groups: int, rng, gen, limit: int) -> torch.Tensor:
-    """Pool ids below ``limit``, some -1, a few large enough to wrap the
-    int32 token ids."""
+def pool_ids(rows: int, groups: int, rng, gen, limit: int | None = None):
+    """int32 pool ids as a top-k leaves them: below ``limit`` (drawn if
+    None), -1 for rows shorter than the top-k, and a few whose int32 token
+    ids wrap."""
     g = dict(generator=gen, device=gen.device)
+    limit = limit or rng.choice([64, 4096, 1 << 20])
     ids = torch.randint(0, max(limit, 1), (rows, groups), **g)
-    ids[torch.rand(rows, groups, **g) < rng.choice([0.0, 0.1, 1.0])] = -1
-    wraps = torch.rand(rows, groups, **g) < 0.01
-    ids = torch.where(
-        wraps, torch.randint(1 << 29, (1 << 31) - 1, (rows, groups), **g), ids
-    )
-    return ids.to(torch.int32)
+    holes = torch.rand(rows, groups, **g) < rng.choice([0.0, 0.1, 0.5, 1.0])
+    huge = torch.randint(1 << 29, INT32_MAX, (rows, groups), **g)
+    ids = torch.where(torch.rand(rows, groups, **g) < 0.01, huge, ids)
+    return torch.where(holes, -1, ids).to(torch.int32)
 
 
 def lengths(rows: int, dtype, gen) -> torch.Tensor:
-    """Sequence lengths (or positions), negative ones and, in int64, some
-    past the int32 edge."""
+    """Sequence lengths (or positions): every residue mod 4, zero and
+    negative ones; near 2^31 - 1; in int64 also at and beyond the int32
+    range, of both signs, and far beyond it."""
     g = dict(generator=gen, device=gen.device)
-    values = torch.randint(-3, 1 << 18, (rows,), **g)
+    values = torch.randint(0, 300_000, (rows,), **g)
+    short = torch.randint(-9, 5, (rows,), **g)
+    pick = torch.rand(rows, **g)
+    values = torch.where(pick < 0.1, short, values)
     if dtype == torch.int64:
-        far = torch.randint(2**31 - 4, 2**33, (rows,), **g)
-        values = torch.where(torch.rand(rows, **g) < 0.2, far, values)
+        edge = torch.randint(2**31 - 6, 2**31 + 6, (rows,), **g)
+        low = torch.randint(-(2**31) - 6, -(2**31) + 6, (rows,), **g)
+        far = torch.randint(-(2**40), 2**40, (rows,), **g)
+        values = torch.where(pick > 0.7, edge, torch.where(pick > 0.4, far, values))
+        values = torch.where(pick > 0.95, low, values)
+    else:
+        edge = torch.randint(2**31 - 6, 2**31, (rows,), **g)
+        values = torch.where(pick > 0.9, edge, values)
     return values.to(dtype)
 
 
 def expand_key(rng: random.Random):
-    return EXPAND.dispatch(
-        groups=rng.choice([0, 1, 32, 100, 128, 512, 1024]),
-        seq_lens_dtype=rng.choice([torch.int32, torch.int64]),
-        int32_lengths=rng.random() < 0.5,
-    )
+    """Pool counts that are zero, odd, GLM-5-Next's 512, the most (1024),
+    any; both lengths dtypes and arithmetics."""
+    groups = rng.choice([0, 1, 31, 32, 100, 512, 1024, rng.randint(1, 1024)])
+    return EXPAND.CompileKey(groups, rng.choice(INDICES), rng.random() < 0.5)
 
 
 def expand_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
-    """Pool ids into rows wider than the expansion, with rows past them."""
+    """Pool ids (some a column slice of a wider buffer) expanded into a row
+    slice of a wider buffer; ``int32_lengths`` against stock's decode as
+    written (``positions.to(torch.int32) + 1``) at offset 1."""
     key = key or expand_key(rng)
-    device = gen.device
-    rows = rng.randint(0, 16)
-    stride = key.groups + rng.choice([0, 0, 3])
-    ids = pool_ids(rows, stride, rng, gen, 1 << 16)[:, : key.groups]
+    rows = rng.choice([0, 1, 2, 7, 8, 64, 128, 256, rng.randint(1, 256)])
+    cols = key.groups * POOL + POOL - 1
+    width = cols + rng.choice([0, 1, 5, 128])
+    width += -width % 4
+    spare = rng.choice([0, 0, 64])
+    ids = pool_ids(rows, key.groups + spare, rng, gen)[:, : key.groups]
     seq_lens = lengths(rows + rng.randint(0, 2), key.seq_lens_dtype, gen)
-    width = key.groups * POOL + POOL + 4 * rng.randint(0, 2)
-    out = _poisoned((rows + 2, width), torch.int32, device)
+    offsets = [1, 1, 1, 0, 3, -2] if key.int32_lengths else [0, 1, 1, 3, -2]
+    seq_offset = rng.choice(offsets)
+    out = poisoned((rows + 3, width), torch.int32, gen)
     want = out.clone()
-    stock_lens = seq_lens.to(torch.int32) if key.int32_lengths else seq_lens
-    kpool_compress.expand_pools_and_append_tail(
-        ids, stock_lens[:rows], POOL, seq_offset=1, out=want[:rows]
-    )
-    arguments = dict(
-        pool_ids=ids,
-        seq_lens=seq_lens,
-        pool_size=POOL,
-        seq_offset=1,
-        out=out[:rows],
-        int32_lengths=key.int32_lengths,
-    )
-    return Case(arguments, (out,), (want,))
+    lens = seq_lens[:rows]
+    expand = kpool_compress.expand_pools_and_append_tail
+    if key.int32_lengths and seq_offset == 1 and rows:
+        want[:rows, :cols] = expand(ids.long(), lens.to(torch.int32) + 1, POOL)
+    elif rows:
+        lens = lens.to(torch.int32) if key.int32_lengths else lens
+        expand(ids, lens, POOL, seq_offset=seq_offset, out=want[:rows])
+    arguments = dict(pool_ids=ids, seq_lens=seq_lens, pool_size=POOL, out=out[:rows])
+    arguments |= dict(seq_offset=seq_offset, int32_lengths=key.int32_lengths)
+    return Case(arguments, (out,), (want,), f"{rows} rows, offset {seq_offset}")
 
 
-# --- expand_and_remap -------------------------------------------------------------
+# --- expand_and_remap -----------------------------------------------------------
+
+# (pools, row width): GLM-5-Next's 512 pools in 2176 columns, the extremes
+# (992 pools fill 4096 columns; 1024 need 8192, one tile with counts) and
+# slack; rows are whole stock tiles of 128 columns, which stock compacts in
+# column order with counts.
+REMAP_SHAPES = ((32, 256), (96, 512), (512, 2176), (512, 2560), (992, 4096))
+REMAP_SHAPES += ((1024, 8192),)
+# (block size, rows between blocks): not powers of two, strides past the size.
+BLOCKS = ((4, 4), (12, 12), (16, 48), (48, 52), (64, 64), (64, 128), (256, 256))
 
 
 def remap_key(rng: random.Random):
-    """A top-k shape, KV block layout and conversion: with counts the widths
-    stock compacts in column order, without them wider rows too."""
-    counts = rng.random() < 0.5
-    groups = rng.choice([32, 64, 512] if counts else [32, 512, 1024])
-    width = groups * POOL + POOL - 1
-    width += -width % 128 + (0 if counts else 128 * rng.randint(0, 2))
-    block = rng.choice([64, 64, 16, 4, 12])
-    return REMAP.dispatch(
-        groups=groups,
-        width=width,
-        block_size=block,
-        stride_rows=block * rng.choice([1, 1, 2]),
-        positions_dtype=rng.choice([torch.int32, torch.int64]),
-        int32_lengths=rng.random() < 0.5,
-        counts=counts,
-    )
+    """A top-k shape of ``REMAP_SHAPES``, a KV block layout of ``BLOCKS``,
+    with or without counts; ``int32_lengths`` (the fused remap's) of the
+    model runner's int64 positions, else either dtype."""
+    int32_lengths = rng.random() < 0.5
+    dtype = torch.int64 if int32_lengths else rng.choice(INDICES)
+    shape = (*rng.choice(REMAP_SHAPES), *rng.choice(BLOCKS))
+    return REMAP.CompileKey(*shape, dtype, int32_lengths, rng.random() < 0.5)
 
 
 def remap_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
-    """A conversion of expanded pools: rows past the expanded ones (-1),
-    negative and past-the-table blocks, positions at the int32 edge."""
+    """The stock decode chain the fused remap replaces: -1 rows, the pool
+    expansion into the first ``pool_ids.shape[0]`` (fewer rows: CUDA-graph
+    padding), the conversion. Block tables as column slices, negative
+    entries, pools past the table; positions at the int32 edge."""
     key = key or remap_key(rng)
     device = gen.device
     g = dict(generator=gen, device=device)
-    rows = rng.randint(1, 16)
-    expanded = rows if rng.random() < 0.8 else rng.randint(0, rows)
-    blocks = rng.choice([1, 8, 64])
-    table = torch.randint(-4, 1 << 20, (rows, blocks), dtype=torch.int32, **g)
-    ids = pool_ids(expanded, key.groups, rng, gen, blocks * key.block_size // POOL)
-    positions = lengths(rows, key.positions_dtype, gen)
-    req_ids = torch.randint(0, rows, (rows,), dtype=torch.int32, **g)
-    out = _poisoned((rows + 2, key.width), torch.int32, device)
-    counts = _poisoned((rows + 3,), torch.int32, device)
-    want_out, want_counts = out.clone(), counts.clone()
+    rows = rng.choice([1, 2, 8, 64, 255, 256, rng.randint(1, 256)])
+    expanded = rows if rng.random() < 0.7 else rng.randint(0, rows)
+    requests, blocks = rng.randint(1, 64), rng.choice([1, 8, 100, 5000])
+    table = torch.randint(0, 10_000, (requests, blocks + rng.choice([0, 3])), **g)
+    table = table.to(torch.int32)[:, :blocks]
+    if rng.random() < 0.2:  # negative entries map to negative slots
+        table[torch.rand(table.shape, **g) < 0.1] *= -1
+    req_ids = torch.randint(0, requests, (rows,), **g).to(torch.int32)
+    ids = pool_ids(expanded, key.groups, rng, gen)
+    near = (torch.rand(ids.shape, **g) < 0.5) & (ids >= 0)
+    ids = torch.where(near, ids % max(blocks * key.block_size // POOL, 1), ids)
+    dtype = key.positions_dtype
+    positions = torch.randint(-3, blocks * key.block_size + 64, (rows,), **g)
+    if rng.random() < (0.5 if dtype == torch.int64 else 0.2):
+        positions = lengths(rows, dtype, gen).long() - 1
+    positions = positions.to(dtype)
     logical = torch.full((rows, key.width), -1, dtype=torch.int32, device=device)
-    stock_positions = positions.to(torch.int32) if key.int32_lengths else positions
-    if expanded:
-        kpool_compress.expand_pools_and_append_tail(
-            ids, stock_positions[:expanded], POOL, seq_offset=1, out=logical[:expanded]
-        )
+    cols, lens = key.groups * POOL + POOL - 1, positions[:expanded]
+    expand = kpool_compress.expand_pools_and_append_tail
+    if expanded and key.int32_lengths:  # stock's decode, as it is written
+        logical[:expanded, :cols] = expand(ids.long(), lens.to(torch.int32) + 1, POOL)
+    elif expanded:
+        expand(ids, lens, POOL, seq_offset=1, out=logical[:expanded])
+    out = poisoned((rows + 2, key.width), torch.int32, gen)
+    counts = poisoned((rows + 3,), torch.int32, gen)
+    want_out, want_counts = out.clone(), counts.clone()
+    valid = want_counts[:rows] if key.counts else None
+    layout = (key.block_size, key.stride_rows, key.width)  # BLOCK_SIZE, ...
     triton_convert_req_index_to_global_index(
-        req_ids,
-        table,
-        logical,
-        BLOCK_SIZE=key.block_size,
-        BLOCK_STRIDE_ROWS=key.stride_rows,
-        NUM_TOPK_TOKENS=key.width,
+        *(req_ids, table, logical, *layout),
         return_valid_counts=key.counts,
         out=want_out[:rows],
-        valid_counts_out=want_counts[:rows] if key.counts else None,
+        valid_counts_out=valid,
     )
     arguments = dict(
         pool_ids=ids,
@@ -270,38 +366,61 @@ def remap_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
         seq_offset=1,
         int32_lengths=key.int32_lengths,
     )
-    return Case(arguments, (out, counts), (want_out, want_counts))
+    about = f"{rows} rows ({expanded} expanded), {requests}x{blocks} blocks"
+    return Case(arguments, (out, counts), (want_out, want_counts), about)
 
 
-# --- upcast_logits ----------------------------------------------------------------
+# --- upcast_logits --------------------------------------------------------------
 
 
 def upcast_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
-    """BF16 logits with specials in strided rows, row ends anywhere in
-    ``[0, width]``; the columns from each end on stay poisoned."""
+    """BF16 logits with specials in padded rows (rows across the CTA groups,
+    widths 1 to 70,000); row ends at 0, the width, a few tiles in, anywhere,
+    negative, and past the width into the padding (stock converts there too,
+    but not past its last row). Stock's output is read only where it wrote."""
     device = gen.device
-    rows = rng.randint(1, 16)
-    width = rng.choice([8, 1000, 4096, rng.randint(1, 9000)])
-    stride = width + -width % 8 + 8 * rng.randint(0, 2)
-    values = torch.randn(rows * stride, generator=gen, device=device) * 30
-    values = specials(values, 0.01, gen).to(torch.bfloat16)
-    logits = values.as_strided((rows, width), (stride, 1))
-    ends = torch.randint(0, width + 1, (rows,), generator=gen, device=device)
+    g = dict(generator=gen, device=device)
+    rows = [0, 1, 2, 3, GROUP_ROWS, GROUP_ROWS + 1, 256, rng.randint(1, 256), 1500]
+    rows = rng.choice(rows)
+    width = rng.choice([1, 7, 8, 1000, 16384, 65536, rng.randint(1, 70_000)])
+    width = max(1, min(width, (1 << 24) // max(rows, 1)))
+    stride = width + -width % 8 + rng.choice([0, 8, 64])
+    values = (torch.randn(rows * stride, **g) * 30).bfloat16()
+    values = specials(values, rng.choice([0.0, 0.001, 0.01]), gen)
+    draw = torch.rand(rows, **g)
+    ends = torch.randint(0, width + 1, (rows,), **g)
+    ends[draw < 0.2] = width
+    short = torch.randint(0, 3 * TILE, (rows,), **g).clamp(max=width)
+    ends = torch.where((draw >= 0.2) & (draw < 0.4), short, ends)
+    ends[draw > 0.97] = -torch.randint(1, 2**31, (1,), **g)
+    last = torch.arange(rows, device=device) == rows - 1
+    past = (draw > 0.93) & (draw <= 0.97) & ~last
+    if stride > width:
+        over = torch.randint(1, stride - width + 1, (rows,), **g)
+        ends = torch.where(past, width + over, ends)
     ends = ends.to(torch.int32)
-    out = _poisoned((rows * stride,), torch.float32, device)
+    logits = values.as_strided((rows, width), (stride, 1))
+    out = poisoned((rows * stride,), torch.float32, gen)
     want = out.clone()
-    below = torch.arange(width, device=device)[None, :] < ends[:, None]
-    # Only the columns below the ends: stock leaves the others unwritten.
-    want.as_strided((rows, width), (stride, 1))[below] = as_fp32_logits(logits, ends)[
-        below
-    ]
+    if rows:
+        stock = as_fp32_logits(logits, ends)
+        below = torch.arange(stride, device=device)[None, :] < ends[:, None]
+        at = below.view(-1).nonzero().view(-1)
+        span = (rows - 1) * stride + width  # stock's own storage
+        want[at] = stock.as_strided((span,), (1,)).index_select(0, at)
     arguments = dict(
         logits=logits, row_ends=ends, out=out.as_strided((rows, width), (stride, 1))
     )
-    return Case(arguments, (out,), (want,))
+    return Case(arguments, (out,), (want,), f"{rows} rows x {width} (stride {stride})")
 
 
-# --- select_topk ------------------------------------------------------------------
+# --- select_topk ----------------------------------------------------------------
+
+# The cluster choice's edges (1 CTA below 16384 columns, 16 from 131072 at
+# few rows), odd widths, the widest the kernel takes.
+SELECT_WIDTHS = (1, 7, 511, 512, 513, 4096, 5000, 16384, 65536, 131080, 262144)
+SELECT_WIDEST = CLUSTERS[-1] * CAPACITIES[-1]
+SELECT_ROWS = (1, 2, 3, 4, 8, 16, 33, 64, 256)
 
 
 def select_reference(logits: torch.Tensor, ends: torch.Tensor, k: int):
@@ -348,46 +467,78 @@ def select_shapes(key, sms: int) -> list[tuple[int, int]]:
     return small or sorted(shapes)[:1] or [(1, key.capacity * key.cluster)]
 
 
-def select_key(rng: random.Random, sms: int):
+def _select_draw(rng: random.Random, sms: int):
+    """(key, rows, width) of a drawn k (GLM-5-Next's 512 mostly), dtype and
+    shape (at most 2^23 logits: the reference sorts them)."""
+    width = rng.choice([*SELECT_WIDTHS, SELECT_WIDEST, rng.randint(1, 70_000)])
+    rows = rng.choice([*SELECT_ROWS, rng.randint(1, 256)])
+    rows = max(1, min(rows, (1 << 23) // width))
     dtype = rng.choice([torch.float32, torch.bfloat16])
-    rows = rng.choice([1, 2, 8, 32, 64])
-    width = rng.choice([1000, 4096, 65536, rng.randint(1, CLUSTERS[-1] * 40000)])
-    width = width + -width % VECTOR[dtype]
-    return SELECT.dispatch(
-        k=rng.choice([512, 256, 1]), dtype=dtype, rows=rows, width=width, sms=sms
-    )
+    k = rng.choice([512, 512, 512, 1, 2048])
+    key = SELECT.dispatch(k=k, dtype=dtype, rows=rows, width=width, sms=sms)
+    return key, rows, width
+
+
+def select_key(rng: random.Random, sms: int):
+    return _select_draw(rng, sms)[0]  # (select_case draws the shape too)
+
+
+def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
+    """Logits of one kind: normals of some scale; few distinct values
+    (ties across the threshold); all equal; ReLU's plateaus of exact 0.0;
+    keys that differ in their lowest bits; and specials sprinkled."""
+    g = dict(generator=gen, device=gen.device)
+    shape = (rows, width)
+    kind = rng.choice(["normal", "ties", "equal", "relu", "lowbits", "special"])
+    if kind == "ties":
+        levels = torch.randn(rng.choice([1, 2, 3, 17]), **g)
+        values = levels[torch.randint(0, levels.numel(), shape, **g)]
+    elif kind == "equal":
+        value = rng.choice([0.0, -0.0, 1.5, -2.0])
+        values = torch.full(shape, value, device=gen.device)
+    elif kind == "relu":
+        values = (torch.randn(shape, **g) - rng.choice([0.0, 2.0, 3.5])).relu()
+    elif kind == "lowbits":  # one sign and exponent
+        unit = 1 if dtype == torch.float32 else 1 << 16
+        noise = torch.randint(0, rng.choice([2, 16, 256]), shape, **g) * unit
+        values = (noise + rng.choice([0x3F800000, -0x40800000])).to(torch.int32)
+        values = values.view(torch.float32)
+    else:
+        values = torch.randn(shape, **g) * rng.choice([1e-3, 1.0, 1e4])
+    if dtype == torch.bfloat16:  # truncated: the BF16 keys stay distinct
+        values = (values.view(torch.int32) >> 16).to(torch.int16).view(dtype)
+    rate = rng.choice([0.0, 0.001, 0.05, 0.5] if kind == "special" else [0.0, 0.001])
+    return specials(values, rate, gen)
 
 
 def select_case(
     rng: random.Random, gen: torch.Generator, key=None, *, sms: int = 132
 ) -> Case:
-    """Logits of ``key``'s shapes on ``sms`` SMs: ties across the threshold,
-    specials, row ends at the edges of ``k`` and past the width."""
-    key = key or select_key(rng, sms)
-    device = gen.device
-    rows, width = rng.choice(select_shapes(key, sms))
-    scale = rng.choice([1e-3, 1.0, 1e4])
-    values = torch.randn(rows * width, generator=gen, device=device) * scale
-    if rng.random() < 0.5:  # ties across the threshold
-        values = values.round()
-    logits = specials(values, 0.01, gen).to(key.dtype).view(rows, width)
-    edges = [0, 1, key.k - 1, key.k, key.k + 1, width, width + 7, -1]
+    """Logits of ``key``'s shapes on ``sms`` SMs (drawn if None: widths 1
+    to 851,968, 1-256 rows) in padded rows whose padding (+NaN, the largest
+    key) must never count; row ends at 0, 1, k-1, k, k+1, the width and
+    past it, negative, anywhere; ``out`` a column slice of a wider buffer."""
+    if key is None:
+        key, rows, width = _select_draw(rng, sms)
+    else:
+        rows, width = rng.choice(select_shapes(key, sms))
+    device, k, vector = gen.device, key.k, VECTOR[key.dtype]
+    pitch = width + -width % vector + vector * rng.choice([0, 0, 1, 16])
+    storage = special_values(key.dtype, device)[2:3].repeat(rows, pitch)
+    storage[:, :width] = _select_values(rows, width, key.dtype, rng, gen)
+    edges = [0, 1, k - 1, k, k + 1, width - 1, width, width + 5, -3, INT32_MAX]
     ends = [
         rng.choice(edges) if rng.random() < 0.5 else rng.randint(0, width)
-        for _ in range(rows)
+        for _ in range(rows + rng.randint(0, 2))
     ]
     ends = torch.tensor(ends, dtype=torch.int32, device=device)
-    out = _poisoned((rows + 2, key.k), torch.int32, device)
+    out = poisoned((rows + 2, k + rng.choice([0, 32])), torch.int32, gen)
     want = out.clone()
-    want[:rows] = select_reference(logits, ends, key.k)
-    arguments = dict(logits=logits, ends=ends, k=key.k, out=out[:rows])
-    return Case(arguments, (out,), (want,))
+    logits = storage[:, :width]
+    want[:rows, :k] = select_reference(logits, ends, k)
+    arguments = dict(logits=logits, ends=ends, k=k, out=out[:rows, :k])
+    return Case(arguments, (out,), (want,), f"{rows} x {width} (pitch {pitch})")
 
 
-CASES = {
-    UPDATE: update_case,
-    EXPAND: expand_case,
-    REMAP: remap_case,
-    UPCAST: upcast_case,
-    SELECT: select_case,
-}
+CASES = {UPDATE: update_case, EXPAND: expand_case, REMAP: remap_case}
+CASES |= {UPCAST: upcast_case, SELECT: select_case}

@@ -33,12 +33,14 @@ def layout(tensor: torch.Tensor) -> str:
     return f"{tensor.dtype} {list(tensor.shape)} strides {list(tensor.stride())}"
 
 
-def check_devices(names: tuple[str, ...], *tensors: torch.Tensor | None) -> None:
-    """Each of ``tensors`` (``names``, in order; None where the argument is
-    optional and left out) is a CUDA tensor on one device."""
+def check_devices(
+    names: tuple[str, ...], *tensors: torch.Tensor | None, optional: tuple = ()
+) -> None:
+    """Each of ``tensors`` (``names``, in order; None only where the argument
+    is ``optional`` and left out) is a CUDA tensor on one device."""
     first = None
     for name, tensor in zip(names, tensors, strict=True):
-        if tensor is None:
+        if tensor is None and name in optional:
             continue
         if not isinstance(tensor, torch.Tensor):
             raise mismatch(name, "a torch.Tensor", type(tensor).__name__)

@@ -81,6 +81,7 @@ def check(
         block_table,
         out,
         counts,
+        optional=("counts",),
     )
     ids = pool_ids.stride()
     if pool_ids.dtype is not torch.int32 or len(ids) != 2 or ids[1] != 1:

@@ -89,7 +89,7 @@ def sm_count(index: int) -> int:
 
 def check(logits, ends, k, out) -> None:
     """What ``SelectTopk`` takes (raises ``Refused``)."""
-    check_devices(("logits", "ends", "out"), logits, ends, out)
+    check_devices(("logits", "ends", "out"), logits, ends, out, optional=("out",))
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
         raise mismatch("k", f"an int in [1, {MAX_K}]", k)
     stride = logits.stride()

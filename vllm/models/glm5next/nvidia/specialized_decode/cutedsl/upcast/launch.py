@@ -19,7 +19,9 @@ from .kernel import CTAS, UpcastLogits
 def check(logits, row_ends, out) -> None:
     """What ``UpcastLogits`` takes of ``as_fp32_logits``'s arguments and an
     ``out`` to write (raises ``Refused``)."""
-    check_devices(("logits", "row_ends", "out"), logits, row_ends, out)
+    check_devices(
+        ("logits", "row_ends", "out"), logits, row_ends, out, optional=("out",)
+    )
     stride = logits.stride()
     if (
         logits.dtype != torch.bfloat16
