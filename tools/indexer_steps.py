@@ -1,43 +1,38 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The patched GLM-5-Next indexer driven as serving runs it, stage against
-stock, byte for byte after every step, at scale; and its per-layer timing:
-the command line of ``tools.indexer`` (``steps.py``, ``timing.py``).
-
-On the kernel-only GPU machine (after ``tools/kernel_env/prepare.sh`` here):
+stock, byte for byte after every step, and its per-layer timing: the command
+line of the indexer simulator (``tests/models/glm5next/indexer_sim.py``).
 
     source .device/env.sh && KPOOL_KERNEL_ONLY=1 \\
         python3 tools/indexer_steps.py --json $OUT/indexer_steps.json --time
+    .venv/bin/python tools/indexer_steps.py --cpu-smoke  # the overlay, CPU
 
-Here, against the patched overlay on the CPU (a few interpreted steps):
+Default matrix: each backend path (``sm100``, ``flashmla_fp8``,
+``flashinfer_sm90``) x each mode (``eager``, ``full``, ``piecewise``), then
+each backend eagerly with the tail cache's stock split, then with two
+engines' stages (``--stages 2``: those alone). ``--seed`` or ``KPOOL_SEED``
+replays. One summary line per run; the JSON is rewritten after each run.
+Exits 1 on any mismatch. ``--select``: the stages with the opt-in select.
 
-    .venv/bin/python tools/indexer_steps.py --cpu-smoke
-
-Default matrix: every backend path (``sm100``, ``flashmla_fp8``,
-``flashinfer_sm90``) x every mode (``eager``, ``full``, ``piecewise``) with
-the tail cache split as the indexer's (the stage runs in speculative steps),
-plus each backend eagerly with the tail cache's stock split
-(``KpoolTailMetadataBuilder``: threshold 1), plus each backend eagerly with
-two engines' stages in one process (``--stages 2`` runs only those).
-``--seed`` or ``KPOOL_SEED``
-replays a run. Prints one summary line per run; the JSON (rewritten after
-every run, so a command that runs out of time keeps what finished) holds the
-reports, the timing rows (``--time``) and the stand-ins (how ties break).
-Exits 1 on any mismatch. Expect roughly a minute a run on the H200 at 600
-decode steps (an estimate, not measured yet): split the matrix over commands
-(``--backends``) or set ``--budget-s``.
-
-``--select`` runs the stages with the opt-in select (``kpool_select``):
-stock's top-k is then its contract's reference (``refs.ContractTopk``) and
-the physical and logical top-k rows compare as sets (the select's order is
-ascending pools); caches and counts still byte for byte.
+``--time``: per DSA layer, the indexer call and the conversion that consumes
+it (a deferral moves work from one to the other), stock against the stage,
+on uniform decode batches past the top-k: eager (wall µs per step of 30
+back-to-back steps, host included, median of 5) and replayed from one FULL
+graph of 10 steps (median of 20). DeepGEMM's logits and the top-k are stored
+tensors on both sides; with ``--select`` the top-k is the wheel's own
+(``--stock-topk-so``), which the stage replaces by the select.
 """
 
 import argparse
+import contextlib
+import gc
 import itertools
 import json
 import os
+import random
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,15 +40,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("sm100", "flashmla_fp8", "flashinfer_sm90")
 MODES = ("eager", "full", "piecewise")
+BATCHES = ((1, 1), (8, 1), (32, 1), (8, 2), (32, 2), (8, 4), (32, 4))
 
 
-def _setup(cpu: bool) -> str:
-    """Makes the patched vLLM importable: the kernel-only shim when
-    ``KPOOL_KERNEL_ONLY=1``, else the test overlay of the installed vllm."""
+def setup(cpu: bool) -> str:
+    """Makes the patched vLLM and the simulator importable: the kernel-only
+    shim with ``KPOOL_KERNEL_ONLY=1``, else the patched overlay of the
+    installed vllm (as the root conftest builds it)."""
     if cpu or shutil.which("nvidia-smi") is None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    sys.path.insert(0, str(ROOT))
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile without a GPU
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests/models/glm5next")]
     if os.environ.get("KPOOL_KERNEL_ONLY") == "1":
         from tools.kernel_env.shim import install_from_env
 
@@ -68,7 +66,7 @@ def _setup(cpu: bool) -> str:
     return "patched overlay"
 
 
-def _args() -> argparse.Namespace:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--backends", default=",".join(BACKENDS))
@@ -85,22 +83,15 @@ def _args() -> argparse.Namespace:
     add("--hold-cycles", type=int, default=200_000, help="stream hold-back (GPU)")
     add("--stages", type=int, default=None, help="2: the two-stage runs alone")
     add("--select", action="store_true", help="the stages with the opt-in select")
-    add(
-        "--stock-topk-so",
-        type=Path,
-        default=None,
-        help="the wheel's _C_stable .so: --time with --select times against it",
-    )
+    add("--stock-topk-so", type=Path, help="the wheel's _C_stable .so (--select)")
     return parser.parse_args()
 
 
-def _matrix(args) -> list[tuple[str, str, str, int]]:
+def matrix(args) -> list[tuple[str, str, str, int]]:
     """(backend, mode, tail split, stages) of each run."""
     backends = args.backends.split(",")
-    if args.cpu_smoke:
+    if args.cpu_smoke or args.stages:
         return [(b, "eager", "indexer", args.stages or 1) for b in backends]
-    if args.stages:
-        return [(b, "eager", "indexer", args.stages) for b in backends]
     if args.modes or args.tail_splits:
         modes = (args.modes or ",".join(MODES)).split(",")
         splits = (args.tail_splits or "indexer").split(",")
@@ -112,35 +103,146 @@ def _matrix(args) -> list[tuple[str, str, str, int]]:
     )
 
 
+def wheel_topk(torch, workspace):
+    """``get_indexer_topk`` as 0.33.0's ``auto`` picks it for GLM-5-Next's
+    decode: ``cooperative_topk`` up to 64 rows, else ``persistent_topk``."""
+
+    def topk(logits, seq_lens, next_n, out, k, max_seq_len):
+        ops = torch.ops._C
+        op = ops.cooperative_topk if logits.shape[0] <= 64 else ops.persistent_topk
+        op(logits, seq_lens.reshape(-1), out, workspace, k, max_seq_len)
+
+    return lambda backend=None: topk
+
+
+def time_layers(sim, backend: str, geo, select: bool, seed: int) -> list[dict]:
+    """Per layer and batch: ``{mode, backend, layer, requests, next_n, rows,
+    stock_us, stage_us, ratio}`` (ratio: stock / stage)."""
+    import pytest
+    import torch
+
+    from vllm.models.glm5next.nvidia import sparse_indexer
+
+    rng, out, device = random.Random(seed), [], torch.device("cuda")
+    with pytest.MonkeyPatch.context() as patch, contextlib.ExitStack() as stack:
+        run = sim.Run(sim.Config(backend, geo=geo, select=select), device, patch)
+        run.setup(stack, watch=False)
+        workspace = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+        for requests, next_n in BATCHES:
+            if requests * next_n > geo.capacity:
+                continue
+            ctx = [rng.randint(2500, 8000 - next_n) for _ in range(requests)]
+            batch = run.sim.sched.fixed([next_n] * requests, ctx)
+            fwd = run.sim.builder.build(batch, rows=batch.tokens)
+            run.sim.fill(fwd.rows)
+            ends = fwd.metadata[geo.prefixes[0][0]].decode.seq_lens.reshape(-1)
+            dtype = torch.bfloat16 if run.sim.backend.mx else torch.float32
+            logits = torch.randn(len(ends), geo.max_pool_len, device=device)
+            ids = sim.stable_topk(logits, torch.zeros_like(ends), ends, geo.topk // 4)
+            logits = logits.to(dtype)
+
+            def stored(*args, logits=logits, **kwargs):
+                return logits
+
+            def copy(logits, seq_lens, next_n, out, k, max_seq_len, ids=ids):
+                out.copy_(ids[: out.shape[0], : out.shape[1]])
+
+            topk = wheel_topk(torch, workspace) if select else lambda b=None: copy
+            sim.references(patch, [sparse_indexer], device, stored, topk)
+            for side in run.sides:
+                side.run(fwd)  # the inputs in place; warm
+                side.record = False
+            for layer in range(geo.layers):
+                eager = [[eager_us(s, layer, fwd) for s in run.sides] for _ in range(5)]
+                medians = [statistics.median(t) for t in zip(*eager, strict=True)]
+                graph = [graph_us(run, s, layer, fwd) for s in run.sides]
+                for mode, (a, b) in (("eager", medians), ("graph", graph)):
+                    out.append(
+                        dict(
+                            mode=mode,
+                            backend=backend,
+                            layer=layer,
+                            requests=requests,
+                            next_n=next_n,
+                            rows=fwd.rows,
+                            stock_us=a,
+                            stage_us=b,
+                            ratio=a / b,
+                        )  # fmt: skip
+                    )
+            run.sim.sched.release(batch)
+            torch.cuda.empty_cache()
+    return out
+
+
+def eager_us(side, layer: int, fwd, calls: int = 30) -> float:
+    import torch
+    from indexer_sim import context
+
+    from vllm.forward_context import override_forward_context
+
+    with side.active():
+        gc.disable()  # a collection inside the loop would be charged to one side
+        try:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                with override_forward_context(context(fwd)):
+                    side.layer_step(layer, fwd)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) * 1e6 / calls
+        finally:
+            gc.enable()
+
+
+def graph_us(run, side, layer: int, fwd, steps: int = 10, replays: int = 20) -> float:
+    import torch
+    from indexer_sim import context
+
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import override_forward_context
+
+    graph = torch.cuda.CUDAGraph()
+    with (
+        side.active(),
+        override_forward_context(context(fwd, CUDAGraphMode.FULL)),
+        torch.cuda.graph(graph, pool=run.pool, stream=run.stream),
+    ):
+        for _ in range(steps):
+            side.layer_step(layer, fwd)
+    times = []
+    for _ in range(replays):
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / steps)
+    return statistics.median(times)
+
+
 def main() -> int:
-    args = _args()
-    where = _setup(args.cpu_smoke)
+    args = arguments()
+    where = setup(args.cpu_smoke)
+    import indexer_sim as sim
+    import pytest
     import torch
     import triton
 
-    from tools.indexer.batches import Geometry, Workload
-    from tools.indexer.refs import TIE_BREAK
-    from tools.indexer.steps import CPU_GEOMETRY, CPU_WORK, Config, fuzz_seed, run
-
-    seed = fuzz_seed() if args.seed is None else args.seed
+    seed = sim.fuzz_seed() if args.seed is None else args.seed
     device = "cpu" if args.cpu_smoke else "cuda"
-    geo = Geometry(layers=args.layers)
+    geo = sim.CPU_GEOMETRY if args.cpu_smoke else sim.Geometry(layers=args.layers)
     work = dict(decode_steps=args.decode_steps)
     if args.cpu_smoke:
-        geo = CPU_GEOMETRY
-        work = {k: v for k, v in vars(CPU_WORK).items() if k != "tail_split"}
+        work = {k: v for k, v in vars(sim.CPU_WORK).items() if k != "tail_split"}
     meta = dict(
         vllm=where, seed=seed, device=device, torch=torch.__version__,
         triton=triton.__version__, geometry=vars(geo) | {"width": geo.width},
-        tie_break=TIE_BREAK,
-        stand_ins="DeepGEMM paged/ragged MQA logits, the decode and prefill "
-        "top-k, cp_gather_indexer_k_quant_cache and the workspace manager: "
-        "torch references (tools/indexer/refs.py), both sides",
+        stand_ins=sim.STAND_INS,
     )  # fmt: skip
     if device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
-    print(f"indexer steps on {device} ({where}), seed {seed}; stand-ins: "
-          f"{meta['stand_ins']}; top-k {TIE_BREAK}", flush=True)  # fmt: skip
+    print(f"indexer steps on {device} ({where}), seed {seed}", flush=True)
     runs, timing, failed, start = [], [], False, time.time()
 
     def dump() -> None:  # after every run: a timed-out command keeps the rest
@@ -149,55 +251,50 @@ def main() -> int:
             result = dict(meta=meta, runs=runs, timing=timing)
             args.json.write_text(json.dumps(result, indent=1, default=str))
 
-    for backend, mode, split, stages in [] if args.time_only else _matrix(args):
+    for backend, mode, split, stages in [] if args.time_only else matrix(args):
         if args.budget_s and time.time() - start > args.budget_s:
             name = f"{backend}/{mode}/tail-{split}/{stages} stages"
             print(f"budget spent: {name} not run")
             meta.setdefault("not_run", []).append(name)
             continue
-        cfg = Config(backend, mode, geo=geo, seed=seed,
-                     work=Workload(tail_split=split, **work), stages=stages,
-                     hold_cycles=args.hold_cycles, select=args.select)  # fmt: skip
-        report = run(cfg, device)
-        print(report.line(), flush=True)
-        for detail in report.details:
-            print("   ", detail)
+        cfg = sim.Config(
+            backend, mode, geo=geo, seed=seed, stages=stages, select=args.select,
+            work=sim.Workload(tail_split=split, **work), hold_cycles=args.hold_cycles,
+            capture=not args.cpu_smoke,
+        )  # fmt: skip
+        with pytest.MonkeyPatch.context() as patch:
+            report = sim.Run(cfg, device, patch).run()
+        print(report.line(), *(f"\n    {d}" for d in report.details), flush=True)
         failed |= report.mismatches > 0
         runs.append(report.as_dict())
         dump()
     if args.time or args.time_only:
-        from tools.indexer.timing import SELECT_STAND_INS, STAND_INS, UNIT, time_layers
-
+        if args.select and not (args.stock_topk_so and args.stock_topk_so.is_file()):
+            sys.exit("--time with --select: --stock-topk-so names no file")
         if args.select:
-            if args.stock_topk_so is None or not args.stock_topk_so.is_file():
-                sys.exit("--time with --select: --stock-topk-so names no file")
             torch.ops.load_library(str(args.stock_topk_so))
-        stand_ins = SELECT_STAND_INS if args.select else STAND_INS
-        meta |= dict(timing_unit=UNIT, timing_stand_ins=stand_ins)
+        meta["timing_unit"] = "indexer decode step + its top-k conversion"
         for backend in args.backends.split(","):
-            cfg = Config(backend, geo=geo, select=args.select)
-            rows = time_layers(backend, seed=seed, cfg=cfg)
-            timing += rows
+            timing += time_layers(sim, backend, geo, args.select, seed)
             dump()
-            for row in rows:
-                print(
-                    f"{row['backend']} layer {row['layer']} {row['mode']} "
-                    f"{row['requests']}x{row['next_n']}: stock {row['stock_us']:.1f} "
-                    f"us, stage {row['stage_us']:.1f} us ({row['ratio']:.2f}x)"
-                )
-    meta["foreign_vllm_modules"] = [
-        name
-        for name, module in sys.modules.items()
-        if name.partition(".")[0] == "vllm"
-        and where == "kernel-only shim"
-        and getattr(module, "__file__", None)
-        and not str(module.__file__).startswith(
-            (str(sys.modules["vllm"].__kernel_env__[0]), str(ROOT))
-        )
-    ]
+        for row in timing:
+            print(
+                f"{row['backend']} layer {row['layer']} {row['mode']} "
+                f"{row['requests']}x{row['next_n']}: stock {row['stock_us']:.1f} us, "
+                f"stage {row['stage_us']:.1f} us ({row['ratio']:.2f}x)"
+            )
+    if where == "kernel-only shim":
+        local = (str(sys.modules["vllm"].__kernel_env__[0]), str(ROOT))
+        meta["foreign_vllm_modules"] = [
+            name
+            for name, module in sys.modules.items()
+            if name.partition(".")[0] == "vllm"
+            and getattr(module, "__file__", None)
+            and not str(module.__file__).startswith(local)
+        ]
     dump()
-    print(f"indexer steps: {len(runs)} runs, seed {seed}, "
-          f"{'MISMATCHES' if failed else '0 mismatches'}")  # fmt: skip
+    verdict = "MISMATCHES" if failed else "0 mismatches"
+    print(f"indexer steps: {len(runs)} runs, seed {seed}, {verdict}")
     return 1 if failed else 0
 
 

@@ -2,40 +2,57 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The GLM-5-Next tests' setup and fixtures.
 
-- ``CUTE_DSL_ARCH`` defaults to ``sm_90a`` here, before any test module
-  imports cutlass: the CuTe kernels then compile on a machine without a GPU.
-- The fixtures of the CPU harness (``kpool_harness``), imported only when a
-  test asks for one (the kernel-only GPU environment has no vLLM to build
-  them from).
-- At the end of the session, each indexer step run's outcome (steps, layers,
-  seed, mismatches).
+- ``CUTE_DSL_ARCH`` defaults to ``sm_90a`` before any test module imports
+  cutlass: the CuTe kernels then compile on a machine without a GPU.
+- The simulator's fixtures (``indexer_sim``, imported only when a test asks
+  for one: the kernel-only GPU environment has no stock tree to load), a
+  deployment's config and a faked GPU for ``config.py`` and ``install()``.
+- At the end of the session, each indexer step run's summary line.
 """
 
 import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+import importlib.util
 import logging
 import sys
 from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 
 def pytest_terminal_summary(terminalreporter):
-    steps = sys.modules.get("tools.indexer.steps")
-    if steps is not None and steps.REPORTS:
+    sim = sys.modules.get("indexer_sim")
+    if sim is not None and sim.REPORTS:
         terminalreporter.section("indexer steps: stage against stock")
-        for line in steps.REPORTS:
+        for line in sim.REPORTS:
             terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
 def stock_module():
-    """The unpatched GLM-5-Next sparse indexer, as a module of its own."""
-    from kpool_harness import load_stock_sparse_indexer
+    """The unpatched ``nvidia/sparse_indexer.py`` of the stock install as a
+    module of its own (its imports resolve to the overlay, whose other files
+    give their stock results)."""
+    from vllm.model_executor import custom_op
+    from vllm.models.glm5next.nvidia import sparse_indexer
 
-    return load_stock_sparse_indexer()
+    path = Path(os.environ["KPOOL_STOCK_VLLM"], "models/glm5next/nvidia")
+    spec = importlib.util.spec_from_file_location(
+        "stock_glm5next_sparse_indexer", path / "sparse_indexer.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    # Its custom op class registers under the patched one's name.
+    name = sparse_indexer.SparseAttnIndexerKpool.name
+    patched = custom_op.op_registry.pop(name)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        custom_op.op_registry[name] = patched
+    return module
 
 
 @pytest.fixture
@@ -46,76 +63,105 @@ def timeline() -> list[str]:
 
 @pytest.fixture
 def spies(monkeypatch, timeline):
-    """The kernels as a new engine process on the CPU sees them (nothing
-    compiled until a warmup compiles it), launched by the stock twins."""
-    from kpool_harness import Spies
+    """The stage's launches spied and computed by their stock twins; CPU
+    tensors pass the rules (``indexer_sim.Spies``)."""
+    from indexer_sim import Spies
 
     return Spies(monkeypatch, timeline)
 
 
 @pytest.fixture
 def mx_scales(monkeypatch):
-    """``mx_scales(value, *modules)``: what ``mqa_logits_use_mx_scales()``
-    answers everywhere (True: SM100)."""
-    from kpool_harness import use_mx_scales
+    """``mx_scales(flag, *modules)``: ``mqa_logits_use_mx_scales()``
+    everywhere (True: SM100)."""
+    from indexer_sim import mx_scales
 
-    return partial(use_mx_scales, monkeypatch)
+    return partial(mx_scales, monkeypatch)
 
 
 @pytest.fixture
 def references(monkeypatch, stock_module):
-    """DeepGEMM's logits as a torch reference in both trees (SM90's FP32
-    logits); ``references(logits_fn)`` swaps it."""
-    from kpool_harness import paged_logits_reference, use_references
+    """The simulator's stand-ins in both trees and the stage (FP32 logits,
+    the stock top-k vLLM's torch reference); ``references(logits=, topk=)``
+    swaps them."""
+    from indexer_sim import paged_logits
+    from indexer_sim import references as install
 
     from vllm.models.glm5next.nvidia import sparse_indexer
 
-    def use(logits_fn):
-        use_references(monkeypatch, (stock_module, sparse_indexer), logits_fn)
+    def use(logits=paged_logits, topk=None):
+        install(monkeypatch, [stock_module, sparse_indexer], "cpu", logits, topk)
 
-    use(paged_logits_reference())
+    use()
     return use
 
 
 @pytest.fixture
-def sm100(mx_scales, references, stock_module):
-    """The SM100 path: MX scales in every module (stock and fork), the cache
-    and the BF16 logits in that format."""
-    from kpool_harness import paged_logits_reference
-
+def sm100(mx_scales, stock_module):
+    """The SM100 path: MX scales in every module (stock and fork)."""
     mx_scales(True, stock_module)
-    references(paged_logits_reference(mx=True))
+
+
+@pytest.fixture
+def bench(monkeypatch, spies, references, stock_module):
+    """``bench(step, **options)``: an ``indexer_sim.Bench``. The process's
+    registry of stages starts empty."""
+    from indexer_sim import Bench
+
+    from vllm.models.glm5next.nvidia import sparse_indexer
+
+    monkeypatch.setattr(sparse_indexer, "SPECIALIZED_KPOOL", None)
+    return partial(Bench, spies, stock_module=stock_module)
+
+
+def deployment(**overrides):
+    """A vllm_config with what ``config.py`` and ``install()`` read, of a
+    supported deployment unless overridden (``section__field=value``;
+    ``model_config__index_*``: the text config's)."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    ns = SimpleNamespace
+    config = ns(
+        additional_config={"decode_backend": "latency_specialized"},
+        model_config=ns(architectures=["Glm5NextForCausalLM"], hf_text_config=ns(
+            index_topk=2048, index_kpool=4, index_head_dim=128)),
+        parallel_config=ns(decode_context_parallel_size=1, use_ubatching=False),
+        compilation_config=ns(
+            mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+        kernel_config=ns(enable_jit_warmup=True),
+        scheduler_config=ns(max_num_seqs=64, max_num_batched_tokens=8192),
+        speculative_config=ns(num_speculative_tokens=3),
+    )  # fmt: skip
+    for name, value in overrides.items():
+        section, _, attribute = name.partition("__")
+        target = config if not attribute else getattr(config, section)
+        if attribute.startswith("index_"):
+            target = target.hf_text_config
+        setattr(target, attribute or section, value)
+    return config
+
+
+@pytest.fixture
+def make_config():
+    return deployment
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """``fake_gpu(capability)``: the platform as a CUDA GPU of that compute
     capability (None: no GPU)."""
-    from kpool_harness import fake_gpu as use
+    from vllm.platforms import current_platform
 
-    return partial(use, monkeypatch)
+    def use(capability):
+        cuda = capability is not None
+        for name, answer in (
+            ("is_cuda", lambda: cuda),
+            ("is_device_capability", lambda c: cuda and c == capability),
+            ("is_device_capability_family", lambda c: cuda and capability // 10 == c // 10),  # noqa: E501
+        ):  # fmt: skip
+            monkeypatch.setattr(current_platform, name, answer)
 
-
-@pytest.fixture
-def install_stage(monkeypatch):
-    """``install_stage(attentions, max_rows=, warm=, self_check=)``:
-    ``install()`` on a faked SM90 inside a JIT warmup registry, then its
-    warmup. The process's registry of stages starts empty in each test."""
-    from kpool_harness import install_stage as install
-
-    from vllm.models.glm5next.nvidia import sparse_indexer
-
-    monkeypatch.setattr(sparse_indexer, "SPECIALIZED_KPOOL", None)
-    return partial(install, monkeypatch)
-
-
-@pytest.fixture
-def engine(install_stage, spies, references):
-    """``engine(inputs, **options)``: a ``kpool_harness.Engine`` (one DSA
-    layer holding ``inputs``, its stage installed and warmed up)."""
-    from kpool_harness import Engine
-
-    return partial(Engine, install_stage, spies.timeline)
+    return use
 
 
 @pytest.fixture

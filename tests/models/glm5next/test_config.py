@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``config.py``: the deployment's settings, the errors a user can act on
-(each bad value echoed with where it came from, each unmet requirement with
-the setting that changes it, misspelled keys named) and the decode capacity
-(CPU)."""
+"""``config.py``: the deployment's settings and the messages a user acts on,
+as the exact strings they read. Every setting and environment variable is
+read and checked first, whatever the backend (a bad value echoed with where
+it came from); then, with ``latency_specialized``, the requirements (all
+listed in one error, each with the setting that changes it); under
+``auto`` one warning names the given settings that only matter with
+``latency_specialized``; a key that reads like a setting but is none warns
+with the nearest valid key (CPU)."""
 
 import logging
 import subprocess
@@ -12,26 +16,53 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from kpool_harness import make_config
 
 from vllm.config import CompilationMode, CUDAGraphMode
 from vllm.models.glm5next.nvidia.specialized_decode import config as sd
-from vllm.models.glm5next.nvidia.specialized_decode.constants import (
-    SELF_CHECK_ENV,
-    SELF_CHECK_KEY,
-)
 
 PACKAGE = Path(sd.__file__).parent
-ALL_REQUIREMENTS = 8
 ON = {"decode_backend": "latency_specialized"}
+CHECK_ENV, SEED_ENV = (
+    "VLLM_GLM5NEXT_KPOOL_SELF_CHECK",
+    "VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED",
+)
+VALID_KEYS = (
+    "decode_backend, specialized_decode_skip, specialized_decode_self_check, "
+    "kpool_select"
+)
+GPU = "an NVIDIA SM90 (Hopper) or SM100-family (Blackwell) GPU"
 
 
 @pytest.fixture
 def gpu(fake_gpu, monkeypatch):
-    """An SM90 GPU unless the test picks another; no self-check override."""
-    monkeypatch.delenv(SELF_CHECK_ENV, raising=False)
+    """An SM90 GPU unless the test picks another; no setting in the
+    environment."""
+    monkeypatch.delenv(CHECK_ENV, raising=False)
+    monkeypatch.delenv(SEED_ENV, raising=False)
     fake_gpu(90)
     return fake_gpu
+
+
+def read(make_config, extra, **overrides):
+    return sd.specialized_decode_config(
+        make_config(additional_config=extra, **overrides)
+    )
+
+
+def messages(vllm_log) -> list[tuple[int, str]]:
+    return [
+        (r.levelno, r.getMessage()) for r in vllm_log.records if r.name == sd.__name__
+    ]
+
+
+def test_names():
+    assert (sd.BACKEND_KEY, sd.BACKEND, sd.STAGE) == (
+        "decode_backend",
+        "latency_specialized",
+        "dsa_kpool",
+    )
+    assert tuple(VALID_KEYS.split(", ")) == sd.CONFIG_KEYS
+    assert sd.ENV_VARS == (CHECK_ENV, SEED_ENV)
 
 
 def test_config_imports_no_vllm_at_load():
@@ -62,149 +93,284 @@ def test_config_imports_no_vllm_at_load():
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
+def test_supported_deployment(gpu, make_config, vllm_log):
+    assert read(make_config, ON) == sd.DecodeConfig(
+        backend="latency_specialized", stages=("dsa_kpool",), given=("decode_backend",)
+    )
+    assert messages(vllm_log) == []
+    for capability in (100, 103):
+        gpu(capability)
+        assert sd.unsupported(make_config()) == []
+
+
+# --- auto ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [None, {}, {"decode_backend": "auto"}])
+def test_auto_is_stock(gpu, make_config, vllm_log, extra):
+    gpu(None)  # no requirement is checked
+    assert read(make_config, extra) is None
+    assert messages(vllm_log) == []
+
+
+def ignored(names: str) -> str:
+    return (
+        f"GLM-5-Next specialized decode: {names} only take effect with "
+        "additional_config decode_backend=latency_specialized; ignored under "
+        "decode_backend=auto."
+    )
+
+
 @pytest.mark.parametrize(
-    "extra", [None, {}, {"decode_backend": "auto"}, {"specialized_decode_skip": []}]
-)
-def test_auto_is_stock(gpu, extra):
-    gpu(None)  # nothing is checked
-    assert sd.specialized_decode_config(make_config(additional_config=extra)) is None
-
-
-def test_supported_deployment(gpu):
-    config = sd.specialized_decode_config(make_config())
-    assert config == sd.DecodeConfig(stages=("dsa_kpool",))
-    gpu(100)
-    assert sd.unsupported(make_config()) == []
-    gpu(103)
-    assert sd.unsupported(make_config()) == []
-
-
-@pytest.mark.parametrize(
-    "extra, message",
+    "extra, environ, names",
     [
+        ({"kpool_select": True}, {}, "kpool_select"),
         (
-            {"decode_backend": "fast"},
-            (
-                "additional_config decode_backend='fast': expected one of "
-                "['auto', 'latency_specialized']"
-            ),
+            {"decode_backend": "auto", "specialized_decode_skip": []},
+            {},
+            "specialized_decode_skip",
         ),
         (
-            {**ON, "specialized_decode_skip": "dsa_kpool"},
-            (
-                "additional_config specialized_decode_skip='dsa_kpool': expected a "
-                "list of stage names out of ['dsa_kpool']"
-            ),
+            {"kpool_select": False, "specialized_decode_self_check": "off"},
+            {},
+            "specialized_decode_self_check, kpool_select",
         ),
+        ({}, {CHECK_ENV: "strict"}, CHECK_ENV),
         (
-            {**ON, "specialized_decode_skip": ["x"]},
-            (
-                "additional_config specialized_decode_skip=['x']: expected a list of "
-                "stage names out of ['dsa_kpool']"
-            ),
-        ),
-        (
-            {**ON, SELF_CHECK_KEY: "loud"},
-            (
-                "additional_config specialized_decode_self_check='loud': expected one "
-                "of ['on', 'off', 'strict']"
-            ),
+            {"specialized_decode_skip": ["dsa_kpool"]},
+            {SEED_ENV: "5", CHECK_ENV: "off"},
+            f"specialized_decode_skip, {CHECK_ENV}, {SEED_ENV}",
         ),
     ],
 )
-def test_bad_values_are_echoed_with_their_source(gpu, extra, message):
+def test_auto_warns_once_for_what_it_ignores(
+    gpu, make_config, monkeypatch, vllm_log, extra, environ, names
+):
+    """Under ``auto``, the given settings that only matter with
+    ``latency_specialized``, config keys then environment variables, in one
+    warning (no GPU needed)."""
+    gpu(None)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert read(make_config, extra) is None
+    assert messages(vllm_log) == [(logging.WARNING, ignored(names))]
+
+
+# --- Bad values, before anything else ------------------------------------------
+
+BAD = [
+    pytest.param(
+        {"decode_backend": "fast"},
+        {},
+        "additional_config decode_backend='fast': expected one of "
+        "['auto', 'latency_specialized']",
+        id="backend",
+    ),
+    pytest.param(
+        {"specialized_decode_skip": "all"},
+        {},
+        "additional_config specialized_decode_skip='all': expected a list of stage "
+        "names out of ['dsa_kpool']",
+        id="skip-str",
+    ),
+    pytest.param(
+        {"specialized_decode_skip": ["x"]},
+        {},
+        "additional_config specialized_decode_skip=['x']: expected a list of stage "
+        "names out of ['dsa_kpool']",
+        id="skip-name",
+    ),
+    pytest.param(
+        {"specialized_decode_self_check": "loud"},
+        {},
+        "additional_config specialized_decode_self_check='loud': expected one of "
+        "['on', 'off', 'strict']",
+        id="self-check",
+    ),
+    pytest.param(
+        {"specialized_decode_self_check": "on"},
+        {CHECK_ENV: "yes"},
+        "environment VLLM_GLM5NEXT_KPOOL_SELF_CHECK='yes': expected one of "
+        "['on', 'off', 'strict']",
+        id="self-check-env",
+    ),
+    pytest.param(
+        {},
+        {SEED_ENV: "abc"},
+        "environment VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED='abc': expected an integer",
+        id="seed-env",
+    ),
+    pytest.param(
+        {"kpool_select": "yes"},
+        {},
+        "additional_config kpool_select='yes': expected true or false",
+        id="select-str",
+    ),
+    pytest.param(
+        {"kpool_select": 1},
+        {},
+        "additional_config kpool_select=1: expected true or false",
+        id="select-int",
+    ),
+    pytest.param(
+        {"kpool_select": None},
+        {},
+        "additional_config kpool_select=None: expected true or false",
+        id="select-none",
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", [{}, ON])
+@pytest.mark.parametrize("extra, environ, message", BAD)
+def test_bad_values_first_whatever_the_backend(
+    gpu, make_config, monkeypatch, backend, extra, environ, message
+):
+    """A bad value is an error under ``auto`` too, and comes before the
+    requirements (here: no GPU, every one missed)."""
+    gpu(None)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    extra = {**backend, **extra}
+    overrides = dict(compilation_config__mode=CompilationMode.VLLM_COMPILE)
     with pytest.raises(ValueError) as error:
-        sd.specialized_decode_config(make_config(additional_config=extra))
+        read(make_config, extra, **overrides)
     assert str(error.value) == message
 
 
+def test_settings_are_checked_in_order(gpu, make_config, monkeypatch):
+    """With every setting bad, the errors come in the order of the settings:
+    the backend, the skipped stages, the self-check (the environment's over
+    the config's), its seed, the select."""
+    extra = {
+        "decode_backend": "fast",
+        "specialized_decode_skip": "all",
+        "specialized_decode_self_check": "loud",
+        "kpool_select": "yes",
+    }
+    monkeypatch.setenv(CHECK_ENV, "yes")
+    monkeypatch.setenv(SEED_ENV, "abc")
+    seen = []
+    for fix in (
+        ("decode_backend", "latency_specialized"),
+        ("specialized_decode_skip", []),
+        (CHECK_ENV, None),
+        ("specialized_decode_self_check", "on"),
+        (SEED_ENV, None),
+        ("kpool_select", True),
+    ):
+        with pytest.raises(ValueError) as error:
+            read(make_config, extra)
+        seen.append(str(error.value).split("=")[0])
+        if fix[1] is None:
+            monkeypatch.delenv(fix[0])
+        else:
+            extra[fix[0]] = fix[1]
+    assert seen == [
+        "additional_config decode_backend",
+        "additional_config specialized_decode_skip",
+        f"environment {CHECK_ENV}",
+        "additional_config specialized_decode_self_check",
+        f"environment {SEED_ENV}",
+        "additional_config kpool_select",
+    ]
+    assert read(make_config, extra).select is True
+
+
+# --- Each setting's good values ------------------------------------------------
+
+
 @pytest.mark.parametrize("mode", ["on", "off", "strict"])
-def test_self_check_setting(gpu, monkeypatch, mode):
-    """The config's mode, overridden by the environment; a bad value from the
-    environment is reported as the environment's."""
-    extra = {**ON, SELF_CHECK_KEY: mode}
-    config = sd.specialized_decode_config(make_config(additional_config=extra))
-    assert config.self_check == mode
-    monkeypatch.setenv(SELF_CHECK_ENV, "off")
-    config = sd.specialized_decode_config(make_config(additional_config=extra))
+def test_self_check_setting(gpu, make_config, monkeypatch, mode):
+    """The config's mode, overridden by the environment."""
+    extra = {**ON, "specialized_decode_self_check": mode}
+    assert read(make_config, extra).self_check == mode
+    monkeypatch.setenv(CHECK_ENV, "off")
+    config = read(make_config, extra)
     assert config.self_check == "off"
-    monkeypatch.setenv(SELF_CHECK_ENV, "loud")
-    with pytest.raises(ValueError) as error:
-        sd.specialized_decode_config(make_config(additional_config=extra))
-    assert str(error.value) == (
-        "environment VLLM_GLM5NEXT_KPOOL_SELF_CHECK='loud': expected one of "
-        "['on', 'off', 'strict']"
+    assert config.given == (
+        "decode_backend",
+        "specialized_decode_self_check",
+        CHECK_ENV,
     )
+
+
+@pytest.mark.parametrize("value, seed", [("123", 123), ("-4", -4), ("", None)])
+def test_self_check_seed(gpu, make_config, monkeypatch, value, seed):
+    monkeypatch.setenv(SEED_ENV, value)
+    config = read(make_config, ON)
+    assert config.self_check_seed == seed
+    assert (SEED_ENV in config.given) is bool(value)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_select_is_opt_in(gpu, make_config, value):
+    """``kpool_select`` (default false) turns on the select, a bool only."""
+    assert read(make_config, ON).select is False
+    assert read(make_config, {**ON, "kpool_select": value}).select is value
+
+
+def test_left_out_stage_needs_nothing(gpu, make_config):
+    gpu(None)
+    config = read(make_config, {**ON, "specialized_decode_skip": ["dsa_kpool"]})
+    assert config.stages == () and config.backend == "latency_specialized"
+    assert hash(config) == hash(sd.DecodeConfig(**vars(config)))  # a frozen value
+
+
+# --- Keys that are no setting ----------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "key, near",
     [
+        ("select_kpool", "kpool_select"),
         ("decode-backend", "decode_backend"),
         ("Decode_Backend", "decode_backend"),
         ("specialized_decode_skips", "specialized_decode_skip"),
         ("specialised_decode_self_check", "specialized_decode_self_check"),
         ("specialized_decode_selfcheck", "specialized_decode_self_check"),
         ("decode", "decode_backend"),
-        # A decode/specialized word without a valid key near it.
+        ("kpool-select", "kpool_select"),
+        # A decode/specialized/kpool word without a valid key near it.
         ("kv_decode_speedup", None),
         ("use_specialized", None),
+        ("kpool", None),
     ],
 )
-def test_unknown_keys_warn_with_the_nearest(gpu, vllm_log, key, near):
-    """A key that reads like a specialized decode setting but is none warns
-    (whatever the backend: the setting it meant is lost), naming the nearest
+@pytest.mark.parametrize("backend", [{}, ON])
+def test_unknown_keys_warn_with_the_nearest(
+    gpu, make_config, vllm_log, backend, key, near
+):
+    """A key that reads like a specialized decode setting but is none warns,
+    whatever the backend (the setting it meant is lost), naming the nearest
     valid key where one is close."""
-    for extra in ({key: "x"}, {**ON, key: "x"}):
-        vllm_log.clear()
-        sd.specialized_decode_config(make_config(additional_config=extra))
-        [record] = vllm_log.records
-        assert record.levelno == logging.WARNING
-        hint = f"; did you mean {near!r}?" if near else ""
-        assert record.getMessage() == (
-            f"additional_config key {key!r} is not a GLM-5-Next specialized decode "
-            f"setting and is ignored{hint} (valid keys: decode_backend, "
-            "specialized_decode_skip, specialized_decode_self_check, kpool_select)."
+    read(make_config, {**backend, key: "x"})
+    hint = f"; did you mean {near!r}?" if near else ""
+    assert messages(vllm_log) == [
+        (
+            logging.WARNING,
+            (
+                f"additional_config key {key!r} is not a GLM-5-Next specialized decode "
+                f"setting and is ignored{hint} (valid keys: {VALID_KEYS})."
+            ),
         )
+    ]
 
 
-@pytest.mark.parametrize("value", [True, False])
-def test_select_is_opt_in(gpu, value):
-    """``kpool_select`` (default false) turns on the select, a bool only."""
-    assert (
-        sd.specialized_decode_config(make_config(additional_config=ON)).select is False
-    )
-    extra = {**ON, "kpool_select": value}
-    config = sd.specialized_decode_config(make_config(additional_config=extra))
-    assert config.select is value
-
-
-@pytest.mark.parametrize("value", ["true", 1, None])
-def test_select_takes_a_bool(gpu, value):
-    extra = {**ON, "kpool_select": value}
-    with pytest.raises(ValueError) as error:
-        sd.specialized_decode_config(make_config(additional_config=extra))
-    assert str(error.value) == (
-        f"additional_config kpool_select={value!r}: expected true or false"
-    )
-
-
-def test_other_keys_do_not_warn(gpu, vllm_log):
-    extra = {**ON, "enable_hisparse": True, 3: "x", SELF_CHECK_KEY: "off"}
+def test_other_keys_do_not_warn(gpu, make_config, vllm_log):
+    extra = {
+        **ON,
+        "enable_hisparse": True,
+        3: "x",
+        "specialized_decode_self_check": "off",
+    }
     extra["specialized_decode_skip"] = []
-    sd.specialized_decode_config(make_config(additional_config=extra))
-    assert vllm_log.records == []
+    read(make_config, extra)
+    assert messages(vllm_log) == []
 
 
-def test_left_out_stage_needs_nothing(gpu):
-    gpu(None)
-    extra = {**ON, "specialized_decode_skip": ["dsa_kpool"]}
-    config = sd.specialized_decode_config(make_config(additional_config=extra))
-    assert config == sd.DecodeConfig(stages=())
-    assert hash(config) == hash(sd.DecodeConfig(stages=()))  # a frozen value
+# --- Requirements ----------------------------------------------------------------
 
-
-COMPILE = CompilationMode.VLLM_COMPILE
 ARCHS = "architectures Glm5NextForCausalLM or Glm5NextForConditionalGeneration"
 
 
@@ -224,57 +390,82 @@ ARCHS = "architectures Glm5NextForCausalLM or Glm5NextForConditionalGeneration"
                 "index_kpool 2, index_head_dim 128)"
             ),
         ),
-        (dict(model_config__index_head_dim=64), "index_head_dim 64)"),
-        (dict(model_config__index_topk=None), "(found index_topk None,"),
+        (
+            dict(model_config__index_head_dim=64),
+            (
+                "the kpool sparse indexer of the model config: index_kpool 4 and "
+                "index_head_dim 128 with an index_topk (found index_topk 2048, "
+                "index_kpool 4, index_head_dim 64)"
+            ),
+        ),
+        (
+            dict(model_config__index_topk=None),
+            (
+                "the kpool sparse indexer of the model config: index_kpool 4 and "
+                "index_head_dim 128 with an index_topk (found index_topk None, "
+                "index_kpool 4, index_head_dim 128)"
+            ),
+        ),
         (
             dict(parallel_config__decode_context_parallel_size=2),
-            (
-                "no decode context parallelism (--decode-context-parallel-size 1; "
-                "found 2)"
-            ),
+            "no decode context parallelism (--decode-context-parallel-size 1; found 2)",
         ),
         (
             dict(parallel_config__use_ubatching=True),
             "no micro-batching (leave out --enable-dbo and ubatch_size)",
         ),
         (
-            dict(compilation_config__mode=COMPILE),
-            (
-                "no torch.compile of the model (compilation_config mode NONE, e.g. "
-                f"-O0; found {COMPILE!s})"
-            ),
-        ),
-        (
-            dict(compilation_config__cudagraph_mode=CUDAGraphMode.FULL),
-            (
-                "no FULL CUDA graphs of mixed prefill-decode batches "
-                "(compilation_config cudagraph_mode FULL_DECODE_ONLY or PIECEWISE; "
-                f"found {CUDAGraphMode.FULL!s})"
-            ),
-        ),
-        (dict(compilation_config__cudagraph_mode=CUDAGraphMode.PIECEWISE), None),
-        (dict(compilation_config__cudagraph_mode=CUDAGraphMode.NONE), None),
-        (
             dict(kernel_config__enable_jit_warmup=False),
             "JIT kernel warmup (kernel_config enable_jit_warmup=True)",
         ),
     ],
 )
-def test_each_requirement_names_its_setting(gpu, overrides, needs):
-    missing = sd.unsupported(make_config(**overrides))
-    assert len(missing) == (needs is not None)
-    assert needs is None or needs in missing[0]
+def test_each_requirement_names_its_setting(gpu, make_config, overrides, needs):
+    assert sd.unsupported(make_config(**overrides)) == ([needs] if needs else [])
+
+
+@pytest.mark.parametrize("mode", list(CompilationMode))
+def test_every_compile_mode(gpu, make_config, mode):
+    """Every compilation mode of vLLM 0.33.0 against "no torch.compile":
+    only NONE passes (vLLM prints the mode as its number)."""
+    missing = sd.unsupported(make_config(compilation_config__mode=mode))
+    found = {"NONE": None, "STOCK_TORCH_COMPILE": "1", "DYNAMO_TRACE_ONCE": "2"}
+    found["VLLM_COMPILE"] = "3"
+    assert set(found) == {m.name for m in CompilationMode}
+    if found[mode.name] is None:
+        assert missing == []
+    else:
+        assert missing == [
+            (
+                "no torch.compile of the model (compilation_config mode NONE, e.g. "
+                f"-O0; found {found[mode.name]})"
+            )
+        ]
+
+
+@pytest.mark.parametrize("mode", [None, *CUDAGraphMode])
+def test_every_cudagraph_mode(gpu, make_config, mode):
+    """Only FULL graphs of mixed prefill-decode batches are refused."""
+    missing = sd.unsupported(make_config(compilation_config__cudagraph_mode=mode))
+    if mode is CUDAGraphMode.FULL:
+        assert missing == [
+            (
+                "no FULL CUDA graphs of mixed prefill-decode batches "
+                "(compilation_config cudagraph_mode FULL_DECODE_ONLY or PIECEWISE; "
+                "found FULL)"
+            )
+        ]
+    else:
+        assert missing == []
 
 
 @pytest.mark.parametrize("capability", [None, 80, 89, 120])
-def test_gpu_requirement(gpu, capability):
+def test_gpu_requirement(gpu, make_config, capability):
     gpu(capability)
-    assert sd.unsupported(make_config()) == [
-        "an NVIDIA SM90 (Hopper) or SM100-family (Blackwell) GPU"
-    ]
+    assert sd.unsupported(make_config()) == [GPU]
 
 
-def test_one_error_lists_every_requirement(gpu):
+def test_one_error_lists_every_requirement(gpu, make_config):
     gpu(80)
     config = make_config(
         model_config__architectures=["LlamaForCausalLM"],
@@ -285,14 +476,21 @@ def test_one_error_lists_every_requirement(gpu):
         compilation_config__cudagraph_mode=CUDAGraphMode.FULL,
         kernel_config__enable_jit_warmup=False,
     )
-    missing = sd.unsupported(config)
-    assert len(missing) == ALL_REQUIREMENTS
     with pytest.raises(ValueError) as error:
         sd.specialized_decode_config(config)
     assert str(error.value) == (
-        f"decode_backend=latency_specialized needs: {'; '.join(missing)}. Or "
-        "leave the stages out with additional_config "
-        "specialized_decode_skip=['dsa_kpool'], or use decode_backend=auto."
+        f"decode_backend=latency_specialized needs: {GPU}; the GLM-5-Next model "
+        f"({ARCHS}; found ['LlamaForCausalLM']); the kpool sparse indexer of the "
+        "model config: index_kpool 4 and index_head_dim 128 with an index_topk "
+        "(found index_topk None, index_kpool 4, index_head_dim 128); no decode "
+        "context parallelism (--decode-context-parallel-size 1; found 2); no "
+        "micro-batching (leave out --enable-dbo and ubatch_size); no torch.compile "
+        "of the model (compilation_config mode NONE, e.g. -O0; found 3); no FULL "
+        "CUDA graphs of mixed prefill-decode batches (compilation_config "
+        "cudagraph_mode FULL_DECODE_ONLY or PIECEWISE; found FULL); JIT kernel "
+        "warmup (kernel_config enable_jit_warmup=True). Or leave the stages out "
+        "with additional_config specialized_decode_skip=['dsa_kpool'], or use "
+        "decode_backend=auto."
     )
 
 
@@ -300,7 +498,7 @@ def test_one_error_lists_every_requirement(gpu):
     "seqs, spec, tokens, rows",
     [(64, 3, 8192, 256), (64, None, 8192, 64), (64, 3, 128, 128), (8, 1, 8192, 16)],
 )
-def test_decode_capacity(seqs, spec, tokens, rows):
+def test_decode_capacity(make_config, seqs, spec, tokens, rows):
     config = make_config(
         scheduler_config__max_num_seqs=seqs,
         scheduler_config__max_num_batched_tokens=tokens,

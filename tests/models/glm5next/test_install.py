@@ -1,40 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``install.py``: the stage installed at model build (what it switches on,
-what it logs) and the process's registry of stages, which gives each engine
-its own (CPU)."""
+"""``runtime/install.py``: the stage installed at model build (what it
+switches on, what it logs, its JIT warmup registered) and the process's
+registry of stages, which gives each engine its own (CPU)."""
 
 import gc
-from functools import partial
 
 import pytest
-import torch
-from kpool_harness import (
-    LAYER,
-    FakeImpl,
-    Step,
-    assert_same,
-    make_attention,
-    make_config,
-    make_group,
-    make_inputs,
-    stock_run,
-)
+from indexer_sim import Backend, Geometry, Model, Sim, Step, assert_same, kernel_name
 
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonImpl,
 )
 from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 from vllm.models.glm5next.nvidia import sparse_indexer
-from vllm.models.glm5next.nvidia.specialized_decode import install
-from vllm.models.glm5next.nvidia.specialized_decode.fused_remap import FusedRemap
-from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 import (
-    FlashInferMLASparseSM90Impl,
+from vllm.models.glm5next.nvidia.specialized_decode.runtime import install
+from vllm.models.glm5next.nvidia.specialized_decode.runtime.remap import FusedRemap
+from vllm.models.glm5next.nvidia.specialized_decode.runtime.warmup import StageWarmup
+from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120 import (
+    FlashInferMLASparseSM120Impl,
 )
-from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
+from vllm.v1.attention.backends.mla.index_group import (
+    HiSparseMLAIndexGroup,
+    SparseMLAIndexGroup,
+)
 
 ON = {"decode_backend": "latency_specialized"}
-DEFERRED = ["kernel:update", "stock:upcast", "defer", "kernel:remap"]
+PREFIX = "GLM-5-Next specialized decode: "
 
 
 @pytest.fixture
@@ -53,129 +45,117 @@ def installed(monkeypatch, fake_gpu, vllm_log):
     return lines
 
 
-def attentions(count=2, *, group=None, **impl):
-    """``count`` DSA layers of one model (one top-k buffer); ``impl`` (and
-    ``group``) override the last one's impl attributes (and index group)."""
-    inputs = make_inputs(Step([1], [150]))
-    layers = []
-    for i in range(count):
-        last = i == count - 1
-        index_group = group if last and group is not None else None
-        index_group = index_group or make_group(inputs.buffer, 8, [])
-        impl_class = impl.pop("impl_class", FakeImpl) if last else FakeImpl
-        attributes = dict(index_group=index_group, dcp_world_size=1)
-        attributes.update(impl if last else {})
-        layers.append(
-            make_attention(
-                index_group,
-                inputs,
-                impl=impl_class(**attributes),
-                prefix=f"model.layers.{i}.self_attn.indexer.k_cache",
-            )
-        )
-    return layers
+def attentions(count=2, *, impl=None, group=None):
+    """``count`` DSA layers of one model (one top-k buffer), each with the
+    shared sparse MLA decode's impl and its own one-layer index group;
+    ``impl`` (a factory of the impl from its group) and ``group`` replace
+    the last layer's."""
+    geo = Geometry(layers=count, heads=4, topk=128, max_model_len=512, max_reqs=4)
+    sim = Sim(geo, Backend("sm90", False, False, "padded", "group"), "cpu", 0)
+    model = Model(sim, "model")
+    last = model.attentions[-1].mla_attn.mla_attn
+    if group is not None:
+        last.impl.index_group = group
+    if impl is not None:
+        last.impl = impl(last.impl.index_group)
+    return model.attentions
 
 
-class SM90FlashInferImpl:
-    """A backend whose own decode converts the logical top-k rows itself (as
-    FlashInfer SM90's without patch 0005's flag)."""
-
-    forward_mqa = FlashInferMLASparseSM90Impl.forward_mqa
-
-    def __init__(self, **attributes):
-        self.__dict__.update(attributes)
+def impl_of(attention):
+    return attention.mla_attn.mla_attn.impl
 
 
-class UnpatchedImpl:
-    """The common sparse MLA decode without patch 0005's flag (a base the
-    stage cannot switch to converting decode steps through the group)."""
+class ItsOwnImpl:
+    """A sparse MLA impl that is not a ``SparseMLACommonImpl``: whatever its
+    ``forward_mqa``, the stage cannot tell how it converts."""
 
     forward_mqa = SparseMLACommonImpl.forward_mqa
 
-    def __init__(self, **attributes):
-        self.__dict__.update(attributes)
+    def __init__(self, group):
+        self.index_group, self.dcp_world_size = group, 1
 
 
-UPDATE_UPCAST = "update (FP32 scales), no upcast (FP32 logits, stock returns them), "
-FUSED = f"{UPDATE_UPCAST}fused expand + remap"
+def sm120(group):
+    impl = object.__new__(FlashInferMLASparseSM120Impl)
+    vars(impl).update(index_group=group, dcp_world_size=1)
+    return impl
 
 
-def not_fused(why):
-    return f"{UPDATE_UPCAST}expand, stock conversion ({why})"
+def dcp(group):
+    impl = object.__new__(SparseMLACommonImpl)
+    vars(impl).update(index_group=group, dcp_world_size=2)
+    return impl
 
 
-def test_install_auto_is_stock(installed):
+UPCAST = "update (FP32 scales), no upcast (FP32 logits, stock returns them), "
+FUSED = f"{UPCAST}fused expand + remap"
+
+
+def not_fused(why: str) -> str:
+    return f"{UPCAST}expand, stock conversion ({why})"
+
+
+def installed_line(rows: int, backend: str, layers: list[str]) -> str:
+    return (
+        f"{PREFIX}dsa_kpool installed for decode-only steps of up to {rows} rows, "
+        "on once the JIT warmup compiled and self-checked its kernels; attention "
+        f"backend {backend}; DSA layers: "
+        + "; ".join(f"model.layers.{i}.self_attn: {s}" for i, s in enumerate(layers))
+        + "."
+    )
+
+
+def test_install_auto_is_stock(installed, make_config):
     assert install.install(make_config(additional_config={}), attentions()) is None
     assert sparse_indexer.SPECIALIZED_KPOOL is None
     assert installed() == []
 
 
-def test_install_left_out(installed):
+def test_install_left_out(installed, make_config):
     extra = {**ON, "specialized_decode_skip": ["dsa_kpool"]}
     assert install.install(make_config(additional_config=extra), attentions()) is None
     assert sparse_indexer.SPECIALIZED_KPOOL is None
-    assert installed() == [
-        ("info", "GLM-5-Next specialized decode: dsa_kpool off (left out).")
-    ]
+    assert installed() == [("info", f"{PREFIX}dsa_kpool off (left out).")]
 
 
-def test_install_without_dsa_layers(installed):
+def test_install_without_dsa_layers(installed, make_config):
     assert install.install(make_config(), []) is None
     assert sparse_indexer.SPECIALIZED_KPOOL is None
-    assert installed() == [
-        ("info", "GLM-5-Next specialized decode: dsa_kpool off (no DSA layers).")
-    ]
+    assert installed() == [("info", f"{PREFIX}dsa_kpool off (no DSA layers).")]
 
 
-def test_install_unsupported_raises(installed, fake_gpu):
+def test_install_unsupported_raises(installed, make_config, fake_gpu):
     fake_gpu(None)
     with pytest.raises(ValueError, match="SM90"):
         install.install(make_config(), attentions())
     assert sparse_indexer.SPECIALIZED_KPOOL is None
 
 
-def test_install_without_warmup_registry(installed):
-    """Outside a model runner nothing compiles the kernels: the stage is
-    registered but never plans a step, and the log says so."""
+def test_install_outside_a_runner(installed, make_config):
+    """Outside a model runner's warmup registry nothing compiles the
+    kernels: the stage is registered but has no executors, so it plans no
+    step."""
     layers = attentions()
     stage = install.install(make_config(), layers)
     buffer = layers[0].indexer.topk_indices_buffer
     assert dict(install.registry().by_buffer) == {buffer.data_ptr(): stage}
-    assert stage.fuse and stage.max_rows == 256 and not stage.warmed
-    assert (stage.steps.layer, stage.steps.max_rows) == (LAYER, 256)
+    assert sparse_indexer.SPECIALIZED_KPOOL is install.registry()
+    assert stage.fuse and stage.max_rows == 256 and not stage.executors
+    prefix = "model.layers.0.self_attn.indexer"
+    assert (stage.steps.layer, stage.steps.max_rows) == (f"{prefix}.k_cache", 256)
     # The storage-only tail caches' metadata does not describe the step.
-    assert stage.steps.ignored == {"model.layers.0.self_attn.indexer.tail_cache"}
+    tails = {f"model.layers.{i}.self_attn.indexer.tail_cache" for i in range(2)}
+    assert stage.steps.ignored == tails
+    assert not stage.mx_scales and not stage.select
     assert installed() == [
-        (
-            "warning",
-            (
-                "GLM-5-Next specialized decode: dsa_kpool off: no JIT warmup registry "
-                "compiles its kernels, for decode-only steps of up to 256 rows; "
-                "attention backend FakeImpl; DSA layers: model.layers.0.self_attn: "
-                f"{FUSED}; model.layers.1.self_attn: {FUSED}."
-            ),
-        )
+        ("info", installed_line(256, "SparseMLACommonImpl", [FUSED, FUSED]))
     ]
 
 
-def test_install_without_cuda_registers_nothing(installed, monkeypatch):
-    """A platform that is not CUDA registers no warmup (the requirements are
-    checked first; here they are faked as met)."""
-    from vllm.models.glm5next.nvidia.specialized_decode import config
-    from vllm.platforms import current_platform
-
-    monkeypatch.setattr(config, "unsupported", lambda vllm_config: [])
-    registry = JitWarmupRegistry(make_config())
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)
-    with registry.activate():
-        stage = install.install(make_config(), attentions())
-    assert stage is not None and len(registry) == 0
-    assert [level for level, _ in installed()] == ["warning"]
-
-
-def test_install_on_sm100_logs_mx_scales(installed, mx_scales):
+def test_install_on_sm100_logs_mx_scales(installed, make_config, mx_scales):
     mx_scales(True)
-    install.install(make_config(), attentions(1))
+    stage = install.install(make_config(), attentions(1))
+    assert stage.mx_scales
     [(_, line)] = installed()
     assert line.endswith(
         "DSA layers: model.layers.0.self_attn: update (MX scales), upcast, "
@@ -183,119 +163,140 @@ def test_install_on_sm100_logs_mx_scales(installed, mx_scales):
     )
 
 
-def _hisparse_group():
-    plain = make_group(torch.zeros(4, 256, dtype=torch.int32), 8, [])
-    return HiSparseMLAIndexGroup(**{f: getattr(plain, f) for f in plain.__dict__})
+def test_install_with_the_select_logs_it(installed, make_config, monkeypatch):
+    from vllm.models.glm5next.nvidia.specialized_decode.runtime import stage
+
+    monkeypatch.setattr(stage, "sm_count", lambda index: 132)
+    config = make_config(additional_config={**ON, "kpool_select": True})
+    built = install.install(config, attentions(1))
+    assert built.select and built.sms == 132
+    [(_, line)] = installed()
+    assert line.endswith(
+        f"{UPCAST}select (opt-in, one wave of rows), fused expand + remap."
+    )
 
 
-def _group(**changes):
-    group = make_group(torch.zeros(4, 256, dtype=torch.int32), 8, [])
-    for name, value in changes.items():
-        setattr(group, name, value)
-    return group
+def hisparse(group):
+    return HiSparseMLAIndexGroup(**{f: getattr(group, f) for f in group.__dict__})
 
 
-def _group_without(name):
+def changed(**changes):
+    def make(group):
+        for name, value in changes.items():
+            setattr(group, name, value)
+        return group
+
+    return make
+
+
+def without(name):
     """A group of a vLLM whose index groups lack ``name``."""
-    group = _group()
-    delattr(group, name)
-    return group
+
+    def make(group):
+        delattr(group, name)
+        return group
+
+    return make
 
 
 @pytest.mark.parametrize(
-    "layer, why",
+    "impl, group, why",
     [
+        (ItsOwnImpl, None, "ItsOwnImpl converts the logical top-k rows itself"),
         (
-            dict(impl_class=UnpatchedImpl),
-            "UnpatchedImpl converts the logical top-k rows itself",
+            sm120,
+            None,
+            "FlashInferMLASparseSM120Impl converts the logical top-k rows itself",
         ),
-        (dict(dcp_world_size=2), "decode context parallel"),
-        (
-            dict(impl_class=SM90FlashInferImpl),
-            "SM90FlashInferImpl converts the logical top-k rows itself",
-        ),
-        (dict(group=_hisparse_group), "not a plain SparseMLAIndexGroup"),
-        (dict(group=partial(_group, has_indexer=False)), "no indexer"),
-        (dict(group=partial(_group, num_layers=2)), "more than one layer"),
-        (dict(group=partial(_group_without, "has_indexer")), "no indexer"),
-        (dict(group=lambda: "none"), "not a plain SparseMLAIndexGroup"),
+        (dcp, None, "decode context parallel"),
+        (None, hisparse, "not a plain SparseMLAIndexGroup"),
+        (None, changed(has_indexer=False), "no indexer"),
+        (None, changed(num_layers=2), "more than one layer"),
+        (None, without("has_indexer"), "no indexer"),
+        (None, lambda group: "none", "not a plain SparseMLAIndexGroup"),
     ],
 )
-def test_install_logs_why_not_fused(installed, layer, why):
+def test_install_logs_why_not_fused(installed, make_config, impl, group, why):
     """Fusing is all or none; the stage's other kernels stay on."""
-    if "group" in layer:
-        layer = dict(layer, group=layer["group"]())
-    layers = attentions(**layer)
+    layers = attentions()
+    last = impl_of(layers[-1])
+    if group is not None:
+        last.index_group = group(last.index_group)
+    if impl is not None:
+        layers[-1].mla_attn.mla_attn.impl = impl(last.index_group)
     stage = install.install(make_config(), layers)
     assert not stage.fuse and stage.remaps == {}
     assert stage.why_not_fused == [None, why]
     [(_, line)] = installed()
     assert line.endswith(
-        "DSA layers: model.layers.0.self_attn: "
-        f"{not_fused('another layer is not')}; "
+        f"DSA layers: model.layers.0.self_attn: {not_fused('another layer is not')}; "
         f"model.layers.1.self_attn: {not_fused(why)}."
     )
-    # Nothing was switched on any group or impl.
-    for attention in layers:
-        impl = attention.mla_attn.mla_attn.impl
-        convert = getattr(impl.index_group, "_convert_once", None)
-        assert not isinstance(convert, FusedRemap)
-        assert "convert_decode_through_index_group" not in vars(impl)
+    for attention in layers:  # nothing was switched on any group or impl
+        switched = impl_of(attention)
+        assert getattr(switched.index_group, "conversion", None) is None
+        assert "convert_decode_through_index_group" not in vars(switched)
 
 
-def test_install_switches_the_fused_layers(installed):
-    """Each fused layer's group converts through its own FusedRemap, and
-    its impl converts decode-only steps through the group (stage.py's
-    switches 2 and 3)."""
+def test_install_switches_the_fused_layers(installed, make_config):
+    """Each fused layer's group converts through its own ``FusedRemap``
+    (``SparseMLAIndexGroup.conversion``), and its impl converts decode-only
+    steps through the group (patch 0005's flag, on the instance)."""
     layers = attentions()
     stage = install.install(make_config(), layers)
     assert set(stage.remaps) == {
         f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(2)
     }
     for attention in layers:
-        impl = attention.mla_attn.mla_attn.impl
+        impl = impl_of(attention)
         remap = stage.remaps[str(attention.indexer.k_cache.prefix)]
-        assert impl.index_group._convert_once is remap and remap.stage is stage
-        assert remap.group is impl.index_group and remap.pending is None
+        assert isinstance(remap, FusedRemap) and impl.index_group.conversion is remap
+        assert remap.group is impl.index_group and remap.stage is stage
+        assert remap.pending is None
         assert vars(impl)["convert_decode_through_index_group"] is True
+    assert SparseMLAIndexGroup.conversion is None
+    assert SparseMLACommonImpl.convert_decode_through_index_group is False
 
 
-def test_install_fuses_an_impl_without_dcp_world_size(installed):
+def test_install_fuses_an_impl_without_dcp_world_size(installed, make_config):
     """An impl of a vLLM without ``dcp_world_size`` has no decode context
     parallelism: it fuses."""
     layers = attentions()
     for attention in layers:
-        del attention.mla_attn.mla_attn.impl.dcp_world_size
+        del impl_of(attention).dcp_world_size
     stage = install.install(make_config(), layers)
     assert stage.fuse and stage.why_not_fused == [None, None]
 
 
-def test_install_warms_up_before_planning(installed, spies):
-    """With the runner's JIT warmup registry active at model build, the stage
-    compiles at the registry's warmup (after the KV caches are bound), then
-    starts planning steps."""
-    from vllm.models.glm5next.nvidia.specialized_decode import warmup
-
+def test_install_warms_up_before_planning(installed, make_config):
+    """With a model runner's JIT warmup registry active at model build, the
+    stage registers one ``StageWarmup``; the registry's warmup (after the
+    KV caches are bound) compiles its keys and gives the stage their
+    executors."""
     config = make_config()
     config.additional_config["specialized_decode_self_check"] = "off"
     layers = attentions()
     registry = JitWarmupRegistry(config)
     with registry.activate():
         stage = install.install(config, layers)
-    [(level, line)] = installed()
-    assert level == "info" and "dsa_kpool on, compiled at JIT warmup" in line
-    assert len(registry) == 1 and not stage.warmed
-    assert spies.compiled == {name: set() for name in spies.compiled}
+    assert len(registry) == 1 and not stage.executors
+    [entry] = registry._registrations
+    assert isinstance(entry, StageWarmup) and entry.stage is stage
+    assert entry.self_check == "off" and entry.seed is None
     registry.warmup()
-    assert stage.warmed
-    derived = {key for _, key in warmup.warmup_keys(stage, layers)}
-    assert set().union(*spies.compiled.values()) == derived
+    keys = StageWarmup(stage, layers).get_warmup_keys()
+    assert set(stage.executors) == {key for _, key in keys}
+    assert {kernel_name(key) for key in stage.executors} == {
+        "update",
+        "expand",
+        "remap",
+    }
 
 
-# --- The registry: one stage per model -------------------------------------
+# --- The registry: one stage per model -----------------------------------------
 
 
-def test_one_stage_per_buffer(installed):
+def test_one_stage_per_buffer(installed, make_config):
     """A second stage on a model's top-k buffer is refused; the registry
     refers to the stages weakly: one leaves it with its model (the layers
     and the stage the model holds)."""
@@ -315,45 +316,36 @@ def test_one_stage_per_buffer(installed):
     assert dict(stages.by_buffer) == {}
 
 
-def test_two_engines_keep_their_own_state(installed, engine, spies, stock_module):
+def test_two_engines_keep_their_own_state(installed, bench):
     """Two engines in one process, with the same layer names: the registry
     routes each model's indexer (by its top-k buffer) to its own stage; each
-    step defers into its own stage's pool buffer, its own layer's FusedRemap
-    takes the hand-off and converts it, and reads nothing of the other's."""
-    inputs = {
-        "a": make_inputs(Step([1, 1, 1], [150, 203, 190], seed=70)),
-        "b": make_inputs(Step([2, 2], [157, 210], seed=71)),
-    }
-    engines = {name: engine(inputs[name]) for name in inputs}
-    stages = {name: e.stage for name, e in engines.items()}
-    assert dict(install.registry().by_buffer) == {
-        inputs[n].buffer.data_ptr(): stages[n] for n in inputs
-    }
+    step defers into its own stage's pool buffer, its own layer's
+    ``FusedRemap`` takes the hand-off and converts it, and reads nothing of
+    the other's."""
+    registry = install.registry()
+    steps = dict(
+        a=Step([1, 1, 1], [150, 203, 190], seed=70), b=Step([2, 2], [157, 210], seed=71)
+    )
+    benches = {name: bench(step, registry=registry) for name, step in steps.items()}
+    stages = {name: b.stage for name, b in benches.items()}
+    buffers = {name: b.engine.buffer.data_ptr() for name, b in benches.items()}
+    assert dict(registry.by_buffer) == {buffers[n]: stages[n] for n in stages}
     assert stages["a"].pool_buffer.data_ptr() != stages["b"].pool_buffer.data_ptr()
-    handed, read = [], []
-    for name, stage in stages.items():
-        remap = stage.remaps[LAYER]
-        remap.hand_over = _recorded(handed, name, remap.hand_over)
-    spies.twins["remap"] = _recorded(read, None, spies.twins["remap"])
+    read = []
+    for stage in stages.values():
+        for key, spy in list(stage.executors.items()):
+            if kernel_name(key) == "remap":
+                stage.executors[key] = lambda *args, spy=spy: (
+                    read.append(args) or spy(*args)
+                )
     for name, other in (("a", "b"), ("b", "a")):
         stages[other].pool_buffer.fill_(-9)
-        handed.clear(), read.clear()
-        got = engines[name].run(inputs[name])
-        assert got.routes == DEFERRED
-        assert handed == [name]
+        read.clear()
+        b = benches[name]
+        got = b.run()
+        assert b.routes == ["kernel:update", "stock:upcast", "defer", "kernel:remap"]
         [args] = read
-        assert args.pool_ids.data_ptr() == stages[name].pool_buffer.data_ptr()
-        physical = engines[name].group.physical_topk_indices
-        assert args.out.data_ptr() == physical.data_ptr()
+        assert args[0].data_ptr() == stages[name].pool_buffer.data_ptr()
+        assert args[4].data_ptr() == b.engine.groups[0].physical_topk_indices.data_ptr()
         assert (stages[other].pool_buffer == -9).all(), f"{name} wrote {other}'s"
-        assert_same(got, stock_run(stock_module, inputs[name]), logical=False)
-
-
-def _recorded(log, entry, fn):
-    """``fn`` of one argument, logging ``entry`` (None: the argument)."""
-
-    def wrapper(argument):
-        log.append(argument if entry is None else entry)
-        return fn(argument)
-
-    return wrapper
+        assert_same(b.stock(), got, b.fwd)

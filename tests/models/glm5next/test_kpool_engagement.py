@@ -8,7 +8,7 @@ decode step. README.md shows the same table (``ENGAGEMENT``), and
 ``test_kpool_backends.py`` installs the stage on each path's impl class.
 
 The backend's impl class decides, through the stage's own rule
-(``fused_remap.converts_through_group``), whether the fused remap is reached; the
+(``runtime/remap.why_not_fusable``), whether the fused remap is reached; the
 counts follow the backend's decode path; the upcast does work only where the
 logits are BF16 (SM100). ``cpu_shims`` stands in only for what a GPU host
 with the wheel's packages answers, so every rejection is a model, dtype or
@@ -90,20 +90,24 @@ def vllm_config(hf, tp: int) -> SimpleNamespace:
 def pieces(backend, kv_dtype: str, local_heads: int, sm: int) -> str:
     """What a planned decode step runs with ``backend``: the stage's rule on
     the backend's impl class, the counts its decode path asks for."""
-    from vllm.models.glm5next.nvidia.specialized_decode.fused_remap import (
-        converts_through_group,
+    from vllm.models.glm5next.nvidia.specialized_decode.runtime.remap import (
+        why_not_fusable,
     )
     from vllm.v1.attention.backends.mla.flashmla_sparse import (
         MIN_HEADS_FOR_BF16_PREFILL,
         QUANTIZED_DS_MLA_CACHE_FORMATS,
         FlashMLASparseImpl,
     )
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
     impl_cls = backend.get_impl_cls()
     impl = object.__new__(impl_cls)
+    # A one-layer group of an indexer, as each GLM-5-Next DSA layer has.
+    group = object.__new__(SparseMLAIndexGroup)
+    vars(group).update(has_indexer=True, num_layers=1)
     update = "update (MX)" if sm == 10 else "update (FP32)"
     upcast = "upcast" if sm == 10 else "no upcast (FP32 logits)"
-    if not converts_through_group(impl):
+    if why_not_fusable(impl, group) is not None:
         return f"{update}, {upcast}, expand; stock conversion"
     counts = "with counts"
     if (

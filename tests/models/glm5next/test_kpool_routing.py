@@ -1,59 +1,60 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The stage (``stage.py``, ``fused_remap.py``) on the real stock decode path
-of ``sparse_attn_indexer_kpool`` and the sparse MLA index conversion (CPU,
-stock Triton kernels interpreted; see ``kpool_harness``).
+"""The stage (``runtime/stage.py``, ``runtime/remap.py``) on the real decode
+path of ``sparse_attn_indexer_kpool`` and the sparse MLA index conversion,
+one step of one layer (CPU, stock Triton kernels interpreted; see
+``indexer_sim``).
 
-Stage off: the patched indexer equals the unpatched one. Stage on (installed
-by ``install()`` and warmed up by its real warmup): the same caches, physical
-top-k and counts as stock (and the same logical top-k rows wherever a consumer
-reads them), with the route each input took asserted. Every kernel launch is
-checked against the kernel's own rule and the keys its warmup compiled.
+Stage off: the patched indexer equals the unpatched one. Stage on (built as
+``install()`` builds it, warmed up by its real warmup): every byte stock
+leaves (the caches, the logical buffer wherever a consumer reads it, the
+physical rows and counts, the group's whole buffers), with the route each
+input took asserted. The stage launches only what its warmup compiled; each
+launch is computed by the kernel's stock twin.
 """
 
 import subprocess
 import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from kpool_harness import (
-    BLOCK,
-    GLM_TOPK,
-    GLM_WIDTH,
-    LAYER,
-    MTP_LAYER,
-    MTP_TAIL,
-    POOL,
+from indexer_sim import (
+    KERNELS,
+    POISON,
+    STOCK_EXPAND,
+    Model,
     Step,
     assert_same,
-    make_group,
-    make_inputs,
-    paged_logits_reference,
-    run_step,
-    stock_run,
+    contract_decode_topk,
+    mismatches,
+    paged_logits,
 )
 
 from vllm.config import CUDAGraphMode
-from vllm.models.glm5next.nvidia import sparse_indexer
-from vllm.models.glm5next.nvidia.specialized_decode import steps
-from vllm.models.glm5next.nvidia.specialized_decode.expand_kernel import (
-    ExpandPoolsKernel,
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand.launch import (
+    ExpandKernel,
 )
-from vllm.models.glm5next.nvidia.specialized_decode.remap_kernel import (
-    ExpandRemapKernel,
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.remap.launch import (
+    RemapKernel,
 )
-from vllm.models.glm5next.nvidia.specialized_decode.stage import LayerStep
-from vllm.models.glm5next.nvidia.specialized_decode.update_kernel import (
-    KpoolUpdateKernel,
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.upcast.launch import (
+    UpcastKernel,
 )
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.update.launch import (
+    UpdateKernel,
+)
+from vllm.models.glm5next.nvidia.specialized_decode.runtime import stage as stage_module
+from vllm.models.glm5next.nvidia.specialized_decode.runtime import steps
+from vllm.models.glm5next.nvidia.specialized_decode.runtime.remap import Deferred
 
-PACKAGE = Path(__file__).resolve().parents[3] / (
-    "vllm/models/glm5next/nvidia/specialized_decode"
-)
+PACKAGE = Path(stage_module.__file__).resolve().parents[1]
+LAYER = "model.layers.0.self_attn.indexer.k_cache"
+MTP_LAYER = "model.layers.3.self_attn.indexer.k_cache"
 # GLM-5-Next's real top-k: 512 pools, 2176-column rows, contexts above 2048.
-GLM = dict(topk=GLM_TOPK)
+GLM = dict(topk=2048)
 FP32 = dict(scale_fmt=None)  # scales not rounded to powers of two
 
 # Steps whose top-k rows are the decode tokens in order (they defer).
@@ -70,7 +71,7 @@ TOKEN_ROWS = [
         id="glm-varlen",
     ),
 ]
-STEPS = TOKEN_ROWS + [
+OTHER_ROWS = [
     pytest.param(Step([1, 3, 2], [171, 140, 255], "padded", seed=5), id="padded"),
     pytest.param(Step([2, 2], [40, 90], seed=6), id="short"),
     pytest.param(Step([1, 1], [150, 180], prefill=9, seed=7), id="mixed"),
@@ -84,6 +85,8 @@ UPDATE = "kernel:update"
 UPCAST = "stock:upcast"
 DEFERRED = [UPDATE, UPCAST, "defer", "kernel:remap"]
 EXPANDED = [UPDATE, UPCAST, "kernel:expand", "stock:convert"]
+# Rows that need padding: the stage updates, stock does the rest.
+PADDED = [UPDATE, "indexer:expand", "stock:convert"]
 # A deferred top-k the fused remap declines: its logical rows, then stock.
 MATERIALIZED = [UPDATE, UPCAST, "defer", "materialize", "kernel:expand"]
 FUSED_STREAMS = [
@@ -94,30 +97,33 @@ FUSED_STREAMS = [
     "exit side",
     "compute.wait_event(physical_ready)",
 ]
+READY = "logical_ready.record(compute)"
 
 
-@pytest.mark.parametrize("step", STEPS)
-def test_stage_off_is_stock(monkeypatch, spies, references, stock_module, step):
-    """SPECIALIZED_KPOOL None: the patched tree writes what stock writes."""
-    monkeypatch.setattr(sparse_indexer, "SPECIALIZED_KPOOL", None)
-    inputs = make_inputs(step)
-    group = make_group(inputs.buffer, 64, [])
-    got = run_step(sparse_indexer, inputs, group, log=spies.timeline)
-    assert not [e for e in got.routes if e.startswith("kernel:")]
-    assert_same(got, stock_run(stock_module, inputs))
+def untouched(model) -> bool:
+    """The logical buffer as it was before the step (no row written)."""
+    return bool((model.snaps[0].logical == POISON).all())
+
+
+@pytest.mark.parametrize("step", TOKEN_ROWS + OTHER_ROWS)
+def test_stage_off_is_stock(bench, step):
+    """``SPECIALIZED_KPOOL`` None: the patched tree writes what stock writes."""
+    b = bench(step, warm=False)
+    off = b.run(Model(b.sim, "off"))
+    assert not [e for e in b.routes if e.startswith("kernel:")]
+    assert_same(b.stock(), off, b.fwd)
 
 
 @pytest.mark.parametrize("step", TOKEN_ROWS)
-def test_defer_and_fused_remap(engine, stock_module, step):
-    """Token-ordered decode rows: the pool top-k goes straight to FusedRemap
-    on the group's side stream; the logical rows stay unfilled (no consumer
-    reads them)."""
-    inputs = make_inputs(step)
-    got = engine(inputs).run(inputs)
-    want = stock_run(stock_module, inputs)
-    assert got.log == [UPDATE, UPCAST, "defer", *FUSED_STREAMS]
-    assert_same(got, want, logical=False)
-    assert (got.topk[: inputs.num_tokens] == -5).all(), "logical rows not filled"
+def test_defer_and_fused_remap(bench, step):
+    """Token-ordered decode rows: the pool top-k goes straight to the
+    ``FusedRemap`` on the group's side stream; the logical buffer is left
+    as it was (no consumer reads it)."""
+    b = bench(step)
+    got = b.run()
+    assert b.spies.timeline == [UPDATE, UPCAST, "defer", READY, *FUSED_STREAMS]
+    assert untouched(got)
+    assert_same(b.stock(), got, b.fwd)
 
 
 @pytest.mark.parametrize(
@@ -131,14 +137,14 @@ def test_defer_and_fused_remap(engine, stock_module, step):
         pytest.param(Step([2, 2], [157, 210], scale_fmt=None, seed=43), id="unrounded"),
     ],
 )
-def test_sm100_mx_scales(sm100, engine, spies, stock_module, step):
+def test_sm100_mx_scales(sm100, bench, step):
     """SM100: the update writes MX (UE8M0) scales, compiled as such at warmup,
     and the BF16 logits are upcast by the kernel."""
-    inputs = make_inputs(step, mx=True)
-    got = engine(inputs).run(inputs)
-    assert {key.mx_scales for key in spies.compiled["update"]} == {True}
-    assert got.routes == [UPDATE, "kernel:upcast", "defer", "kernel:remap"]
-    assert_same(got, stock_run(stock_module, inputs), logical=False)
+    b = bench(step, mx=True)
+    got = b.run()
+    assert {key.mx_scales for key in b.spies.compiled["update"]} == {True}
+    assert b.routes == [UPDATE, "kernel:upcast", "defer", "kernel:remap"]
+    assert_same(b.stock(), got, b.fwd)
 
 
 @pytest.mark.parametrize(
@@ -153,113 +159,102 @@ def test_sm100_mx_scales(sm100, engine, spies, stock_module, step):
         ),
     ],
 )
-def test_fp32_scales_not_rounded(engine, spies, stock_module, step):
+def test_fp32_scales_not_rounded(bench, step):
     """``scale_fmt=None``: FP32 scales that are not powers of two, the
     update's compile key and stock alike."""
-    inputs = make_inputs(step)
-    got = engine(inputs).run(inputs)
-    assert {key.round_scale for key in spies.compiled["update"]} == {False}
-    deferred = step.layout != "padded"
-    assert got.routes == (
-        DEFERRED if deferred else [UPDATE, UPCAST, "indexer:expand", "stock:convert"]
-    )
-    assert_same(got, stock_run(stock_module, inputs), logical=not deferred)
+    b = bench(step)
+    got = b.run()
+    assert {key.round_scale for key in b.spies.compiled["update"]} == {False}
+    assert b.routes == (PADDED if step.layout == "padded" else DEFERRED)
+    assert_same(b.stock(), got, b.fwd)
 
 
-def assert_same_sets(got, want) -> None:
-    """The same caches and counts as stock, and each physical row stock's
-    set (the opt-in select lists pools in ascending order, stock's top-k in
-    its own)."""
-    assert torch.equal(got.kv_cache, want.kv_cache), "index K cache"
-    assert torch.equal(got.counts, want.counts), "valid counts"
-    rows = [torch.sort(o.physical, dim=1).values for o in (got, want)]
-    assert torch.equal(*rows), "physical top-k sets"
-    assert not torch.equal(got.physical, want.physical), "no order changed"
-
+# --- The opt-in select ------------------------------------------------------
 
 SELECTED = [UPDATE, "kernel:select", "defer", "kernel:remap"]
 
 
-@pytest.fixture
-def contract_topk(monkeypatch, stock_module):
-    """Stock's decode top-k as the select's contract picks ties (the lower
-    pool; vLLM's torch reference picks any, and ReLU logits tie at 0.0)."""
-    from kpool_harness import select_reference
-
-    def topk(logits, seq_lens, next_n, out, k, max_seq_len):
-        ends = seq_lens.reshape(-1).to(torch.int32)
-        out.copy_(select_reference(logits, ends, k).flip(1))  # another order
-
-    monkeypatch.setattr(stock_module, "get_indexer_topk", lambda backend: topk)
+def assert_same_sets(b, got) -> None:
+    """Stock's bytes, the top-k rows as sets; and the order did change."""
+    want = b.stock()
+    assert_same(want, got, b.fwd, sets=True)
+    assert mismatches(want, got, b.fwd.tokens), "no order changed"
 
 
 @pytest.mark.parametrize("step", TOKEN_ROWS)
-def test_select_opted_in(engine, spies, stock_module, contract_topk, step):
-    """``kpool_select``: a deferring step's logits go to the select at the
-    upcast (no upcast, no stock top-k), its ascending pool ids to the fused
-    remap: stock's caches, counts and physical sets."""
-    inputs = make_inputs(step)
-    got = engine(inputs, select=True).run(inputs)
-    assert got.routes == SELECTED
-    assert spies.launched["select"] <= spies.compiled["select"]
-    assert_same_sets(got, stock_run(stock_module, inputs))
+def test_select_opted_in(bench, references, step):
+    """``kpool_select``: a deferring step's logits go to the select (no
+    upcast, no stock top-k), its ascending pool ids to the fused remap.
+    Stock's top-k stand-in is ``indexer_sim.select_contract`` (written from
+    the select's stated contract, not the product's reference) with each
+    row's ids reversed, as stock's order is its own; the spied select
+    computes ``select_contract`` too (its GPU launches are compared with it
+    in the step runs). Every byte as stock's, the top-k rows as sets."""
+    references(topk=contract_decode_topk)
+    b = bench(step, select=True)
+    got = b.run()
+    assert b.routes == SELECTED
+    assert b.spies.launched["select"] <= b.spies.compiled["select"]
+    assert_same_sets(b, got)
 
 
-def test_select_of_bf16_logits(sm100, engine, stock_module, contract_topk):
-    """SM100: the select reads DeepGEMM's BF16 logits; nothing upcasts."""
-    inputs = make_inputs(Step([2, 2], [2157, 2310], seed=35, **GLM), mx=True)
-    got = engine(inputs, select=True).run(inputs)
-    assert got.routes == SELECTED
-    assert_same_sets(got, stock_run(stock_module, inputs))
+def test_select_of_bf16_logits(sm100, bench, references):
+    """SM100: the select reads DeepGEMM's BF16 logits; nothing upcasts. The
+    stock stand-in as ``test_select_opted_in``'s."""
+    references(topk=contract_decode_topk)
+    b = bench(Step([2, 2], [2157, 2310], seed=35, **GLM), mx=True, select=True)
+    got = b.run()
+    assert b.routes == SELECTED
+    assert_same_sets(b, got)
 
 
-def test_select_declines_past_one_wave(monkeypatch, engine, stock_module):
-    """Rows whose clusters take a second wave run stock's upcast and top-k."""
-    from vllm.models.glm5next.nvidia.specialized_decode import stage
-
-    inputs = make_inputs(Step([1, 1, 1], [2100, 2403, 2190], seed=36, **GLM))
-    built = engine(inputs, select=True)
-    monkeypatch.setattr(stage, "one_wave", lambda *args: False)
-    got = built.run(inputs)
-    assert got.routes == DEFERRED
-    assert_same(got, stock_run(stock_module, inputs), logical=False)
+def test_select_declines_past_one_wave(monkeypatch, bench):
+    """Rows whose clusters take a second wave run stock's upcast and top-k
+    (vLLM's torch top-k on both sides: stock's bytes)."""
+    b = bench(Step([1, 1, 1], [2100, 2403, 2190], seed=36, **GLM), select=True)
+    monkeypatch.setattr(stage_module, "one_wave", lambda *args: False)
+    got = b.run()
+    assert b.routes == DEFERRED
+    assert_same(b.stock(), got, b.fwd)
 
 
-@pytest.mark.parametrize("step", STEPS[len(TOKEN_ROWS) :])
-def test_select_only_in_deferring_steps(engine, stock_module, step):
-    """Steps that do not defer never select: stock's bytes."""
-    inputs = make_inputs(step)
-    got = engine(inputs, select=True).run(inputs)
-    assert "kernel:select" not in got.routes
-    want = stock_run(stock_module, inputs)
-    assert_same(got, want, logical=step.layout != "padded")
+@pytest.mark.parametrize("step", OTHER_ROWS)
+def test_select_only_in_deferring_steps(bench, step):
+    """Steps that do not defer never select: stock's bytes (vLLM's torch
+    top-k on both sides)."""
+    b = bench(step, select=True)
+    got = b.run()
+    assert "kernel:select" not in b.routes
+    assert_same(b.stock(), got, b.fwd)
 
 
-def test_fused_remap_under_piecewise_graphs(engine, stock_module):
+# --- The fused remap and its declines -----------------------------------------
+
+
+def test_fused_remap_under_piecewise_graphs(bench):
     """Inside piecewise CUDA graphs the side stream waits on the compute
-    stream (an event recorded in a captured segment is graph-local)."""
-    inputs = make_inputs(Step([2, 2], [157, 210], seed=11))
-    got = engine(inputs).run(inputs, cudagraph_mode=CUDAGraphMode.PIECEWISE)
-    assert got.log == [
+    stream (an event recorded in a captured segment is graph-local; the
+    group records none)."""
+    b = bench(Step([2, 2], [157, 210], seed=11))
+    got = b.run(mode=CUDAGraphMode.PIECEWISE)
+    assert b.spies.timeline == [
         UPDATE,
         UPCAST,
         "defer",
         "side.wait_stream(compute)",
         *FUSED_STREAMS[1:],
     ]
-    assert_same(got, stock_run(stock_module, inputs), logical=False)
+    assert_same(b.stock(mode=CUDAGraphMode.PIECEWISE), got, b.fwd)
 
 
-@pytest.mark.parametrize("step_stride, stride", [(96, 96), (BLOCK, None)])
-def test_fused_remap_block_stride(engine, stock_module, step_stride, stride):
+@pytest.mark.parametrize("bound, stride", [(96, 96), (64, None)])
+def test_fused_remap_block_stride(bench, bound, stride):
     """Blocks ``stride`` rows apart (other layers' pages between them), as
     warmup read it from the bound MLA cache; None: the block size."""
-    step = Step([1, 1, 1], [150, 203, 190], seed=12, stride_rows=step_stride)
-    inputs = make_inputs(step)
-    got = engine(inputs).run(inputs, block_stride_rows=stride)
-    assert got.routes == DEFERRED
-    want = stock_run(stock_module, inputs, block_stride_rows=stride)
-    assert_same(got, want, logical=False)
+    b = bench(Step([1, 1, 1], [150, 203, 190], seed=12, stride_rows=bound))
+    got = b.run(block_stride_rows=stride)
+    assert b.routes == DEFERRED
+    assert_same(b.stock(block_stride_rows=stride), got, b.fwd)
 
 
 @pytest.mark.parametrize(
@@ -269,87 +264,72 @@ def test_fused_remap_block_stride(engine, stock_module, step_stride, stride):
         pytest.param(Step([2, 2], [2157, 2310], seed=35, **GLM), id="glm"),
     ],
 )
-def test_fused_remap_without_counts(engine, stock_module, step):
+def test_fused_remap_without_counts(bench, step):
     """FlashMLA's mixed-batch FP8 decode converts without counts: fused too,
-    in place, with stock's bytes."""
-    inputs = make_inputs(step)
-    got = engine(inputs).run(inputs, return_valid_counts=False)
-    assert got.log == [UPDATE, UPCAST, "defer", *FUSED_STREAMS]
-    want = stock_run(stock_module, inputs, return_valid_counts=False)
-    assert_same(got, want, logical=False)
+    in place, the group's counts untouched."""
+    b = bench(step)
+    got = b.run(counts=False)
+    assert b.spies.timeline == [UPDATE, UPCAST, "defer", READY, *FUSED_STREAMS]
+    assert (got.groups[0].valid_topk_counts == POISON).all()
+    assert_same(b.stock(counts=False), got, b.fwd)
 
 
-def _materialized_then_stock(log):
+def assert_materialized_then_stock(timeline) -> None:
     """The logical rows are written, then recorded ready, before the stock
     conversion's side stream waits on that record and converts."""
-    assert log[:9] == [
-        *MATERIALIZED,
-        "logical_ready.record(compute)",
+    assert timeline[:10] == [
+        *MATERIALIZED[:3],
+        READY,
+        *MATERIALIZED[3:],
+        READY,
         "side.wait_event(logical_ready)",
         "enter side",
         "stock:convert",
     ]
 
 
-def test_declined_by_block_stride(engine, stock_module):
+def test_declined_by_block_stride(bench):
     """A block stride warmup did not compile (the cache was bound with
-    another): FusedRemap declines, materializes, and the stock conversion
-    runs after the logical rows are recorded ready."""
-    inputs = make_inputs(Step([1, 1, 1], [150, 203, 190], seed=14))
-    got = engine(inputs).run(inputs, block_stride_rows=96)
-    _materialized_then_stock(got.log)
-    assert_same(got, stock_run(stock_module, inputs, block_stride_rows=96))
-
-
-@pytest.mark.parametrize("counts", [True, False])
-def test_idx_mapping_declines(engine, stock_module, counts):
-    """A conversion through ``idx_mapping`` (HiSparse's leader rows) is not
-    the fused kernel's: declined, materialized, stock with the mapping."""
-    inputs = make_inputs(Step([1, 1, 1], [150, 203, 190], seed=15))
-    mapping = torch.tensor([2, 0, 1], dtype=torch.int32)
-    kwargs = dict(idx_mapping=mapping, return_valid_counts=counts)
-    got = engine(inputs).run(inputs, **kwargs)
-    _materialized_then_stock(got.log)
-    assert_same(got, stock_run(stock_module, inputs, **kwargs))
+    another): the fused remap declines, materializes, and the stock
+    conversion runs after the logical rows are recorded ready."""
+    b = bench(Step([1, 1, 1], [150, 203, 190], seed=14))
+    got = b.run(block_stride_rows=96)
+    assert_materialized_then_stock(b.spies.timeline)
+    assert not untouched(got)
+    assert_same(b.stock(block_stride_rows=96), got, b.fwd)
 
 
 @pytest.mark.parametrize(
-    "kwargs, routes",
+    "options, capacity, routes",
     [
         # A later layer of a group reads the leader's physical rows.
-        pytest.param(dict(layer_index=1), MATERIALIZED, id="layer1"),
+        pytest.param(dict(layer_index=1), None, MATERIALIZED, id="layer1"),
         # Rows past the group's buffers: stock converts on the compute stream.
-        pytest.param(
-            dict(capacity=2), [*MATERIALIZED, "stock:convert"], id="above-capacity"
-        ),
+        pytest.param({}, 1, [*MATERIALIZED, "stock:convert"], id="above-capacity"),
     ],
 )
-def test_deferred_then_materialized(engine, stock_module, kwargs, routes):
+def test_deferred_then_materialized(bench, options, capacity, routes):
     """A deferred top-k the fused remap cannot take is materialized into the
     logical rows, then converted by stock."""
-    kwargs = dict(kwargs)  # the parametrize dict lives for the whole process
-    capacity = kwargs.pop("capacity", 64)
-    inputs = make_inputs(Step([1, 1, 1], [150, 203, 190], pad_rows=1, seed=13))
-    got = engine(inputs, capacity=capacity).run(inputs, **kwargs)
-    want = stock_run(stock_module, inputs, capacity=capacity, **kwargs)
-    assert got.routes == routes
-    assert_same(got, want)
+    step = Step([1, 1, 1], [150, 203, 190], pad_rows=1, seed=13)
+    b = bench(step, capacity=capacity)
+    got = b.run(**options)
+    assert b.routes == routes
+    assert_same(b.stock(**options), got, b.fwd)
 
 
 @pytest.mark.parametrize(
-    "step, kwargs, routes",
+    "step, options, routes",
     [
-        # SM90 non-uniform rows are [requests, max q_len]: stock expansion.
+        # SM90 non-uniform rows are [requests, max q_len]: stock from the
+        # scores on.
         pytest.param(
-            Step([1, 3, 2], [171, 140, 255], "padded", seed=5),
-            {},
-            [UPDATE, UPCAST, "indexer:expand", "stock:convert"],
-            id="padded",
+            Step([1, 3, 2], [171, 140, 255], "padded", seed=5), {}, PADDED, id="padded"
         ),
         pytest.param(
             Step([1, 2], [2171, 2140], "padded", seed=33, **GLM),
             {},
-            [UPDATE, UPCAST, "indexer:expand", "stock:convert"],
+            PADDED,
             id="glm-padded",
         ),
         # Stock fills short rows causally on CUDA; on the CPU it expands.
@@ -359,10 +339,7 @@ def test_deferred_then_materialized(engine, stock_module, kwargs, routes):
         ),
         # Rows too wide for the stock conversion to compact them in order.
         pytest.param(
-            Step([1, 1], [150, 180], seed=15, width=4224),
-            {},
-            EXPANDED,
-            id="width4224",
+            Step([1, 1], [150, 180], seed=15, width=4224), {}, EXPANDED, id="width4224"
         ),
         # 48 pools: not a multiple of 32 (no remap compiled: unbound cache).
         pytest.param(
@@ -371,11 +348,11 @@ def test_deferred_then_materialized(engine, stock_module, kwargs, routes):
             EXPANDED,
             id="pools48",
         ),
-        # No positions: no tail update, stock expansion of the seq_lens.
+        # No positions: no tail update, stock from the scores on.
         pytest.param(
             Step([1, 1], [150, 180], positions=False, seed=8),
             {},
-            [UPCAST, "indexer:expand", "stock:convert"],
+            ["indexer:expand", "stock:convert"],
             id="nopositions",
         ),
         pytest.param(
@@ -386,66 +363,60 @@ def test_deferred_then_materialized(engine, stock_module, kwargs, routes):
         ),
     ],
 )
-def test_routes(engine, stock_module, step, kwargs, routes):
-    inputs = make_inputs(step)
-    got = engine(inputs, **kwargs).run(inputs)
-    assert got.routes == routes
-    deferred = "defer" in routes
-    assert_same(got, stock_run(stock_module, inputs), logical=not deferred)
+def test_routes(bench, step, options, routes):
+    b = bench(step, **options)
+    got = b.run()
+    assert b.routes == routes
+    assert_same(b.stock(), got, b.fwd)
 
 
-def test_unaligned_rows_expand_stock(engine, stock_module):
+def test_unaligned_rows_expand_stock(bench):
     """Top-k rows whose stride is not 16-byte aligned: no defer (the remap
-    stores 16 bytes), stock expansion into the buffer."""
-    inputs = make_inputs(Step([1, 1], [150, 180], seed=21, width=133))
-    got = engine(inputs).run(inputs, group=False)
-    assert got.routes == [UPDATE, UPCAST, "stock:expand"]
-    assert_same(got, run_step(stock_module, inputs, None))
+    stores 16 bytes), stock expansion into the buffer (no consumer
+    converts these rows)."""
+
+    def nothing(model, layer, logical, mla):
+        return logical[:0], None
+
+    b = bench(Step([1, 1], [150, 180], seed=21, width=133))
+    got = b.run(consume=nothing)
+    assert b.routes == [UPDATE, UPCAST, "stock:expand"]
+    assert_same(b.stock(consume=nothing), got, b.fwd)
 
 
-@pytest.mark.parametrize(
-    "logits",
-    [
-        pytest.param(dict(logits_dtype=torch.float32), id="fp32"),
-        pytest.param(dict(odd_stride=True), id="odd-stride"),
-    ],
-)
-def test_upcast_guards(sm100, references, engine, stock_module, logits):
+@pytest.mark.parametrize("logits", [dict(dtype=torch.float32), dict(pad=1)])
+def test_upcast_guards(sm100, references, bench, logits):
     """On SM100, FP32 logits (stock returns them) and a row stride the
     kernel's 16-byte accesses cannot take go to stock."""
-    references(paged_logits_reference(mx=True, **logits))
-    inputs = make_inputs(Step([1, 1], [150, 180], seed=17), mx=True)
-    got = engine(inputs).run(inputs)
-    assert got.routes == [UPDATE, "stock:upcast", "defer", "kernel:remap"]
-    assert_same(got, stock_run(stock_module, inputs), logical=False)
+    references(logits=partial(paged_logits, **logits))
+    b = bench(Step([1, 1], [150, 180], seed=17), mx=True)
+    got = b.run()
+    assert b.routes == [UPDATE, "stock:upcast", "defer", "kernel:remap"]
+    assert_same(b.stock(), got, b.fwd)
 
 
 # --- What warmup compiled ----------------------------------------------------
 
 
-def _expected_keys(inputs, *, mx=False, round_scale=True, stride=BLOCK):
-    args = inputs.args
-    kv, tail = args["kv_cache"], args["tail_kv_cache"]
-    groups = args["topk_tokens"] // POOL
-    width = inputs.buffer.shape[1]
+def expected_keys(b, *, mx=False, round_scale=True, stride=64) -> dict:
+    """The variants a planned step of ``b``'s layer launches."""
+    layer = b.engine.attentions[0].indexer
+    kv, tail = layer.k_cache.kv_cache, layer.tail_cache.kv_cache
+    groups, width = layer.topk_tokens // 4, b.engine.buffer.shape[1]
     layout = (tail.shape[2], kv.shape[1], kv.stride(0), tail.stride(0), tail.stride(1))
+    int64 = torch.int64
     return dict(
         update={
-            KpoolUpdateKernel.CompileKey(
-                *layout, mx, round_scale, torch.int64, torch.int64, torch.int32
-            )
+            UpdateKernel.CompileKey(*layout, mx, round_scale, int64, int64, torch.int32)
         },
-        expand={ExpandPoolsKernel.CompileKey(groups, torch.int64, True)},
+        expand={ExpandKernel.CompileKey(groups, int64, True)},
         remap={
-            ExpandRemapKernel.CompileKey(
-                groups, width, BLOCK, stride, torch.int64, True, counts
-            )
+            RemapKernel.CompileKey(groups, width, 64, stride, int64, True, counts)
             for counts in (True, False)
         },
         # SM90's logits are FP32: no upcast variant.
-        upcast=set(),
-        # The select is opt-in (kpool_select).
-        select=set(),
+        upcast={UpcastKernel.CompileKey()} if mx else set(),
+        select=set(),  # opt-in
     )
 
 
@@ -457,201 +428,187 @@ def _expected_keys(inputs, *, mx=False, round_scale=True, stride=BLOCK):
         pytest.param(Step([1], [150], scale_fmt=None), id="unrounded"),
     ],
 )
-def test_warmup_compiles_what_steps_launch(engine, spies, step):
+def test_warmup_compiles_what_steps_launch(bench, step):
     """The stage's warmup compiles, on fakes, the variants a planned step of
     its layers launches: the update for the metadata's int64 slots and the
-    indexer's int32 positions, the expansion and the fused remap (with and without
-    counts) for the runner's int64 positions truncated to int32 as stock's
-    decode does; nothing else."""
-    inputs = make_inputs(step)
-    engine(inputs)
-    want = _expected_keys(
-        inputs, round_scale=step.scale_fmt is not None, stride=step.stride_rows
+    indexer's int32 positions, the expansion and the fused remap (with and
+    without counts) for the runner's int64 positions truncated to int32 as
+    stock's decode does; nothing else."""
+    b = bench(step)
+    assert b.spies.compiled == expected_keys(
+        b, round_scale=step.scale_fmt is not None, stride=step.stride_rows
     )
-    assert spies.compiled == want
 
 
-def test_warmup_of_mx_scales(sm100, engine, spies):
+def test_warmup_of_mx_scales(sm100, bench):
     """SM100: MX scales in the update's keys, and the BF16 logits' upcast."""
-    from vllm.models.glm5next.nvidia.specialized_decode.upcast_kernel import (
-        UpcastLogitsKernel,
-    )
-
-    inputs = make_inputs(Step([1], [150]), mx=True)
-    engine(inputs)
-    want = _expected_keys(inputs, mx=True)
-    assert spies.compiled == dict(want, upcast={UpcastLogitsKernel.CompileKey()})
+    b = bench(Step([1], [150]), mx=True)
+    assert b.spies.compiled == expected_keys(b, mx=True)
 
 
-def test_warmup_without_bound_cache_skips_the_remap(engine, spies):
+def test_warmup_without_bound_cache_skips_the_remap(bench):
     """A layer whose MLA cache is not bound as [blocks, block, row] has no
     block layout for the remap: warmup compiles no remap, and a deferred
     top-k is then materialized for stock."""
-    inputs = make_inputs(Step([1, 1], [150, 180], seed=22))
-    stage = engine(inputs, bound=False)
-    assert not spies.compiled["remap"]
-    assert spies.compiled["update"] == _expected_keys(inputs)["update"]
-    got = stage.run(inputs)
-    assert got.routes == [*MATERIALIZED, "stock:convert"]
+    b = bench(Step([1, 1], [150, 180], seed=22), bound=False)
+    assert not b.spies.compiled["remap"]
+    assert b.spies.compiled["update"] == expected_keys(b)["update"]
+    got = b.run()
+    assert b.routes == [*MATERIALIZED, "stock:convert"]
+    assert_same(b.stock(), got, b.fwd)
 
 
 # --- Keys warmup did not compile go to stock ---------------------------------
 
 
+def compiled_caches() -> dict:
+    return {name: set(kernel._compiled_cache) for name, kernel in KERNELS.items()}
+
+
 @pytest.mark.parametrize(
-    "kernel, step, routes",
+    "kernels, step, routes",
     [
         pytest.param(
-            "update",
+            ["update"],
             Step([2, 2], [157, 210], seed=23),
             ["stock:update", UPCAST, "defer", "kernel:remap"],
             id="update",
         ),
         pytest.param(
-            "remap",
+            ["remap"],
             Step([2, 2], [157, 210], seed=25),
             [*MATERIALIZED, "stock:convert"],
             id="remap",
         ),
         pytest.param(
-            "expand",
+            ["expand"],
             Step([2, 2], [40, 90], seed=26),
             [UPDATE, UPCAST, "stock:expand", "stock:convert"],
             id="expand",
         ),
+        pytest.param(
+            ["expand", "remap"],
+            Step([2, 2], [157, 210], seed=27),
+            [UPDATE, UPCAST, "defer", "materialize", "stock:expand", "stock:convert"],
+            id="expand-remap",
+        ),
     ],
 )
-def test_uncompiled_keys_run_stock(engine, spies, stock_module, kernel, step, routes):
-    """A key warmup did not compile (here: forgotten after warmup, as if it
-    had not compiled it) is never launched: the stage gives the input to
-    stock, and compiles nothing."""
-    inputs = make_inputs(step)
-    stage = engine(inputs)
-    spies.forget(kernel)
-    got = stage.run(inputs)
-    assert got.routes == routes
-    assert not spies.compiled[kernel]
-    assert_same(got, stock_run(stock_module, inputs), logical="defer" not in routes)
+def test_uncompiled_keys_run_stock(bench, kernels, step, routes):
+    """A key the stage's warmup did not compile (here: dropped from its
+    executors after warmup) is never launched: the stage gives the input
+    to stock and compiles nothing."""
+    b = bench(step)
+    for name in kernels:
+        b.spies.forget(b.stage, name)
+    before = compiled_caches()
+    got = b.run()
+    assert b.routes == routes
+    assert compiled_caches() == before
+    assert_same(b.stock(), got, b.fwd)
 
 
-def test_sm100_uncompiled_upcast_runs_stock(sm100, engine, spies, stock_module):
-    inputs = make_inputs(Step([2, 2], [157, 210], seed=24), mx=True)
-    stage = engine(inputs)
-    spies.forget("upcast")
-    got = stage.run(inputs)
-    assert got.routes == [UPDATE, "stock:upcast", "defer", "kernel:remap"]
-    assert_same(got, stock_run(stock_module, inputs), logical=False)
+def test_sm100_uncompiled_upcast_runs_stock(sm100, bench):
+    b = bench(Step([2, 2], [157, 210], seed=24), mx=True)
+    b.spies.forget(b.stage, "upcast")
+    got = b.run()
+    assert b.routes == [UPDATE, "stock:upcast", "defer", "kernel:remap"]
+    assert_same(b.stock(), got, b.fwd)
 
 
-def test_uncompiled_expand_materializes_through_stock(engine, spies, stock_module):
-    inputs = make_inputs(Step([2, 2], [157, 210], seed=27))
-    stage = engine(inputs)
-    spies.forget("expand")
-    spies.forget("remap")
-    got = stage.run(inputs)
-    assert got.routes == [
-        UPDATE,
-        UPCAST,
-        "defer",
-        "materialize",
-        "stock:expand",
-        "stock:convert",
-    ]
-    assert_same(got, stock_run(stock_module, inputs))
-
-
-def test_stage_compiles_nothing_after_warmup(engine, spies, timeline):
-    """A shape no warmup compiled (48 pools) goes to stock at once: the
-    stage never compiles in a step."""
-    inputs = make_inputs(Step([1], [150], seed=28))
-    stage = engine(inputs).stage
-    compiled = {name: set(keys) for name, keys in spies.compiled.items()}
-    timeline.clear()
-    ids = torch.zeros((2, 48), dtype=torch.int32)
+def test_stage_compiles_nothing_after_warmup(bench):
+    """A shape no warmup compiled (48 pools) goes to stock at once, its
+    outputs past the given columns untouched: the stage never compiles in a
+    step."""
+    b = bench(Step([1], [150], seed=28))
+    before = compiled_caches()
+    b.spies.timeline.clear()
+    ids = torch.randint(0, 40, (2, 48), dtype=torch.int32)
     out = torch.full((2, 256), 9, dtype=torch.int32)
-    stage.expand(ids, torch.tensor([200, 201]), POOL, seq_offset=1, out=out)
-    assert timeline == ["stock:expand"] and spies.compiled == compiled
+    positions = torch.tensor([200, 201])
+    b.stage.expand(ids, positions, out)
+    assert b.spies.timeline == ["stock:expand"] and compiled_caches() == before
+    want = torch.full((2, 256), 9, dtype=torch.int32)
+    lengths = positions.to(torch.int32)
+    STOCK_EXPAND(ids, lengths, 4, seq_offset=1, out=want)
+    assert torch.equal(out, want)
 
 
 # --- Which steps plan, and which defer --------------------------------------
 
 
-def test_mtp_layer_never_defers(engine, stock_module):
+def test_mtp_layer_never_defers(bench):
     """The MTP draft's layers have their own top-k buffer, which no stage is
     installed on: its indexer runs stock, in its own forward and in one
     whose metadata also holds the model's layers (a planned step)."""
-    step = Step([2, 2], [157, 210], layer=MTP_LAYER, tail=MTP_TAIL, seed=18)
-    inputs = make_inputs(step)
-    model = engine(make_inputs(Step([1], [150])))
-    mtp_group = make_group(inputs.buffer, 64, model.timeline)
-    want = stock_run(stock_module, inputs)
-    got = model.run(inputs, group=mtp_group)
-    assert got.routes == ["indexer:expand", "stock:convert"]
-    assert_same(got, want)
-    inputs.metadata[LAYER] = inputs.metadata[MTP_LAYER]
-    with_model = model.run(inputs, group=mtp_group)
-    assert with_model.routes == ["indexer:expand", "stock:convert"]
-    assert_same(with_model, want)
+    model = bench(Step([1], [150]))
+    mtp = bench(Step([2, 2], [157, 210], seed=18, first_layer=3), warm=False)
+    draft = Model(mtp.sim, "draft")
+    draft.kpool = model.registry  # the process's SPECIALIZED_KPOOL
+    want = mtp.stock()
+    got = mtp.run(draft)
+    assert mtp.routes == ["indexer:expand", "stock:convert"]
+    assert_same(want, got, mtp.fwd)
+    mtp.fwd.metadata[LAYER] = mtp.fwd.metadata[MTP_LAYER]
+    got = mtp.run(draft)
+    assert mtp.routes == ["indexer:expand", "stock:convert"]
+    assert_same(want, got, mtp.fwd)
 
 
-def test_mixed_step_never_defers(monkeypatch, engine, stock_module):
+def test_mixed_step_never_defers(monkeypatch, bench):
     """Prefill rows are the logical buffer's: even a planned step expands."""
-    inputs = make_inputs(Step([1, 1], [150, 180], prefill=9, seed=7))
-    model = engine(inputs)
+    b = bench(Step([1, 1], [150, 180], prefill=9, seed=7))
     monkeypatch.setattr(steps.PlannedSteps, "covers", lambda self, context: True)
-    got = model.run(inputs)
-    assert got.routes == EXPANDED
-    assert_same(got, stock_run(stock_module, inputs))
+    got = b.run()
+    assert b.routes == EXPANDED
+    assert_same(b.stock(), got, b.fwd)
 
 
-@pytest.mark.parametrize(
-    "case", ["mixed", "not-warmed", "dummy", "above-plan", "no-context"]
-)
-def test_unplanned_steps_run_stock(engine, stock_module, case):
+@pytest.mark.parametrize("case", ["mixed", "not-warmed", "dummy", "above-plan"])
+def test_unplanned_steps_run_stock(bench, case):
     step = Step([1, 1], [150, 180], prefill=9 if case == "mixed" else 0, seed=19)
-    inputs = make_inputs(step)
-    model = engine(
-        inputs,
-        max_rows=1 if case == "above-plan" else 64,
-        warm=case != "not-warmed",
+    b = bench(
+        step, max_rows=1 if case == "above-plan" else None, warm=case != "not-warmed"
     )
-    if case == "no-context":
-        assert not model.stage.planned()
-        assert model.stage.decode_step(None, LAYER, None, 128, POOL, None) is None
-        return
-    got = model.run(inputs, dummy_run=case == "dummy")
-    assert got.routes == ["indexer:expand", "stock:convert"]
-    assert_same(got, stock_run(stock_module, inputs))
+    got = b.run(dummy_run=case == "dummy")
+    assert b.routes == ["indexer:expand", "stock:convert"]
+    assert_same(b.stock(), got, b.fwd)
 
 
-def test_defers_rule(engine):
+def test_no_forward_context_is_unplanned(bench):
+    stage = bench(Step([1], [150])).stage
+    assert not stage.planned()
+    assert stage.decode_step(None, LAYER, None, 128, 4, None) is None
+
+
+def test_defers_rule(bench):
     """``defers``: a fused layer, at most ``max_rows`` rows, the remap's
     shapes (pools a multiple of 32, at least 32, a wide enough width the
     stock conversion with counts compacts in order)."""
-    stage = engine(make_inputs(Step([1], [150])), max_rows=8).stage
-    assert stage.defers(LAYER, 8, 32, POOL, 256)
-    assert stage.defers(LAYER, 1, 512, POOL, GLM_WIDTH)
+    stage = bench(Step([1], [150]), max_rows=8).stage
+    assert stage.defers(LAYER, 8, 32, 4, 256)
+    assert stage.defers(LAYER, 1, 512, 4, 2176)
     # With counts the widest in-order width is 4096 columns: 992 pools.
-    assert stage.defers(LAYER, 1, 992, POOL, 4096)
-    assert not stage.defers(LAYER, 1, 1024, POOL, 4224)
-    assert not stage.defers(MTP_LAYER, 1, 32, POOL, 256)
-    assert not stage.defers(LAYER, 9, 32, POOL, 256)
-    assert not stage.defers(LAYER, 1, 48, POOL, 256)
-    assert not stage.defers(LAYER, 1, 16, POOL, 256)
-    assert not stage.defers(LAYER, 1, 1056, POOL, 4352)
-    assert not stage.defers(LAYER, 1, 32, POOL, 130)
-    assert not stage.defers(LAYER, 1, 32, POOL, 4224)
+    assert stage.defers(LAYER, 1, 992, 4, 4096)
+    assert not stage.defers(LAYER, 1, 1024, 4, 4224)
+    assert not stage.defers(MTP_LAYER, 1, 32, 4, 256)
+    assert not stage.defers(LAYER, 9, 32, 4, 256)
+    assert not stage.defers(LAYER, 1, 48, 4, 256)
+    assert not stage.defers(LAYER, 1, 16, 4, 256)
+    assert not stage.defers(LAYER, 1, 1056, 4, 4352)
+    assert not stage.defers(LAYER, 1, 32, 4, 130)
+    assert not stage.defers(LAYER, 1, 32, 4, 4224)
     assert not stage.defers(LAYER, 1, 32, 8, 256)
 
 
-def test_pool_topk_buffer(engine):
+def test_pool_ids_buffer(bench):
     """A deferring step's pool top-k lives in the stage's buffer (the remap
     reads it after the indexer returns); others get a fresh tensor."""
-    stage = engine(make_inputs(Step([1], [150])), max_rows=8).stage
-    fresh = LayerStep(stage, None).pool_topk(3, 32, "cpu")
+    stage = bench(Step([1], [150]), max_rows=8).stage
+    fresh = stage.pool_ids(3, 32, "cpu", deferring=False)
     assert fresh.shape == (3, 32) and fresh.dtype == torch.int32
     assert fresh.data_ptr() != stage.pool_buffer.data_ptr()
-    held = LayerStep(stage, stage.remaps[LAYER]).pool_topk(3, 32, "cpu")
+    held = stage.pool_ids(3, 32, "cpu", deferring=True)
     assert held.shape == (3, 32) and held.is_contiguous()
     assert held.data_ptr() == stage.pool_buffer.data_ptr()
     assert stage.pool_buffer.shape == (8, 1024)
@@ -660,26 +617,20 @@ def test_pool_topk_buffer(engine):
 # --- The hand-off ------------------------------------------------------------
 
 
-def test_hand_off_is_converted_once(engine):
-    """A deferring step hands its layer's FusedRemap the pool ids and the
-    rows' positions; a second hand-over before the conversion raises."""
-    inputs = make_inputs(Step([1, 1], [150, 180], seed=20))
-    stage = engine(inputs).stage
-    remap = stage.remaps[LAYER]
-    ids = stage.pool_buffer[:2, :32]
-    positions = torch.zeros(3, dtype=torch.int64)
-    meta = inputs.metadata[LAYER].decode
-    assert LayerStep(stage, remap).resolve(ids, positions, meta, None)
-    pending = remap.pending
-    assert pending.pool_ids is ids and pending.positions.shape == (2,)
+def test_hand_off_is_converted_once(bench):
+    """A second hand-over before the conversion raises, and keeps the
+    first."""
+    remap = bench(Step([1, 1], [150, 180], seed=20)).stage.remaps[LAYER]
+    first = Deferred(torch.zeros((2, 32), dtype=torch.int32), torch.zeros(2))
+    remap.hand_over(first)
     with pytest.raises(RuntimeError, match="was not converted"):
-        LayerStep(stage, remap).resolve(ids, positions, meta, None)
-    assert remap.pending is pending
+        remap.hand_over(Deferred(first.pool_ids, first.positions))
+    assert remap.pending is first
 
 
 def test_hand_off_check_survives_python_O():
     """The check is not an assert: ``python -O`` keeps it. (The subprocess
-    loads ``fused_remap.py`` with its vLLM imports stubbed: under ``-O``
+    loads ``runtime/remap.py`` with its vLLM imports stubbed: under ``-O``
     every import compiles its source anew.)"""
     script = textwrap.dedent(f"""
         import importlib.util, sys, types
@@ -696,28 +647,27 @@ def test_hand_off_check_survives_python_O():
                 spec.loader.exec_module(module)
             return module
 
-        class SparseMLAIndexGroup:
-            def _convert_once(self, *args, **kwargs):
-                raise AssertionError("not converted here")
-
         package = "vllm.models.glm5next.nvidia.specialized_decode"
         load("vllm.forward_context", in_piecewise_cudagraph=None)
+        load("vllm.model_executor.layers.attention.sparse_mla_attention",
+             SparseMLACommonImpl=type("SparseMLACommonImpl", (), {{}}))
         load("vllm.utils.torch_utils", current_stream=None)
         load("vllm.v1.attention.backends.mla.index_group",
-             SparseMLAIndexGroup=SparseMLAIndexGroup)
-        load(package + ".remap_kernel", REMAP=None, RemapArgs=None)
+             SparseMLAIndexGroup=type("SparseMLAIndexGroup", (), {{}}))
+        load(package + ".cutedsl.remap.launch", REMAP=None)
         load(package + ".constants", {str(PACKAGE / "constants.py")!r})
-        fused = load(package + ".fused_remap", {str(PACKAGE / "fused_remap.py")!r})
+        remap = load(package + ".runtime.remap",
+                     {str(PACKAGE / "runtime" / "remap.py")!r})
 
         assert not __debug__, "not under -O"
-        remap = fused.FusedRemap(SparseMLAIndexGroup(), stage=None)
-        deferred = fused.Deferred(pool_ids=None, positions=None)
-        remap.hand_over(deferred)
+        fused = remap.FusedRemap(group=None, stage=None)
+        deferred = remap.Deferred(pool_ids=None, positions=None)
+        fused.hand_over(deferred)
         try:
-            remap.hand_over(deferred)
+            fused.hand_over(deferred)
         except RuntimeError as error:
             print("refused:", error)
-            sys.exit(0 if remap.pending is deferred else "replaced")
+            sys.exit(0 if fused.pending is deferred else "replaced")
         sys.exit("a second hand-over was taken")
     """)
     child = subprocess.run(
@@ -728,3 +678,69 @@ def test_hand_off_check_survives_python_O():
     )
     assert child.returncode == 0, child.stdout + child.stderr[-4000:]
     assert "refused: GLM-5-Next kpool: a deferred top-k" in child.stdout
+
+
+# --- The comparison sees every byte -----------------------------------------------
+
+
+def extra_row(name, key, *args):
+    """The remap also writes the row after its rows (the group's extra)."""
+    if name == "remap":
+        out = args[4]
+        out.as_strided((len(out) + 1, out.shape[1]), out.stride())[-1, 0] = 5
+
+
+def extra_count(name, key, *args):
+    """The remap also writes the count after its rows'."""
+    if name == "remap":
+        args[5].as_strided((len(args[4]) + 1,), (1,))[-1] = 3
+
+
+def tail_byte(name, key, *args):
+    if name == "update":
+        args[1].view(torch.int16).view(-1)[0] += 1
+
+
+@pytest.mark.parametrize(
+    "wrong, field",
+    [
+        (extra_row, "physical top-k"),
+        (extra_count, "counts"),
+        (tail_byte, "tail cache"),
+    ],
+)
+def test_a_stray_byte_is_a_mismatch(monkeypatch, bench, wrong, field):
+    """A launch that writes one byte more than its stock twin (past its
+    rows, or in a cache) makes the step differ from stock."""
+    import indexer_sim
+
+    twin = indexer_sim.twin
+
+    def spoiled(name, key, *args):
+        twin(name, key, *args)
+        wrong(name, key, *args)
+
+    b = bench(Step([1, 1, 1], [150, 203, 190]))
+    monkeypatch.setattr(indexer_sim, "twin", spoiled)
+    assert mismatches(b.stock(), b.run(), b.fwd.tokens) == [f"layer 0 {field}"]
+
+
+def test_a_select_past_its_rows_is_a_mismatch(monkeypatch, bench, references):
+    """A select that writes the pool buffer past the step's pool ids differs
+    from stock (the stock stand-in as ``test_select_opted_in``'s)."""
+    import indexer_sim
+
+    twin = indexer_sim.twin
+
+    def spoiled(name, key, *args):
+        twin(name, key, *args)
+        if name == "select":
+            out = args[2]
+            out.as_strided((len(out) + 1, out.shape[1]), out.stride())[-1, 0] = 5
+
+    references(topk=contract_decode_topk)
+    b = bench(Step([1, 1, 1], [150, 203, 190]), select=True)
+    monkeypatch.setattr(indexer_sim, "twin", spoiled)
+    got = b.run()
+    assert b.routes == SELECTED
+    assert mismatches(b.stock(), got, b.fwd.tokens, sets=True) == ["layer 0 pool ids"]

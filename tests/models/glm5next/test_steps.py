@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``steps.py``: which forward passes are planned steps of a stage
+"""``runtime/steps.py``: which forward passes are planned steps of a stage
 (``PlannedSteps``), and ``KpoolStage.planned()`` on top of it (CPU)."""
 
 from types import SimpleNamespace
@@ -10,8 +10,8 @@ import pytest
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import ForwardContext, override_forward_context
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
-from vllm.models.glm5next.nvidia.specialized_decode.stage import KpoolStage
-from vllm.models.glm5next.nvidia.specialized_decode.steps import (
+from vllm.models.glm5next.nvidia.specialized_decode.runtime.stage import KpoolStage
+from vllm.models.glm5next.nvidia.specialized_decode.runtime.steps import (
     ACCEPTED_METADATA,
     PlannedSteps,
 )
@@ -46,11 +46,10 @@ def steps():
 
 
 def test_accepted_metadata_are_vllms():
-    """The accepted names are those of vLLM's classes (a rename upstream
-    would leave every step unplanned)."""
-    assert {DeepseekV32IndexerMetadata.__name__, MLACommonMetadata.__name__} == (
-        ACCEPTED_METADATA
-    )
+    """The accepted types are vLLM's classes (isinstance: the sparse MLA
+    backends' metadata derive from ``MLACommonMetadata``)."""
+    assert (DeepseekV32IndexerMetadata, MLACommonMetadata) == ACCEPTED_METADATA
+    assert issubclass(FlashMLASparseMetadata, MLACommonMetadata)
 
 
 @pytest.mark.parametrize(
@@ -123,11 +122,11 @@ def test_planned_once_per_forward(steps):
 
 def test_stage_plans_only_once_warm():
     """``KpoolStage.planned()``: a planned step in the current forward
-    context, once the stage's warmup succeeded."""
-    stage = KpoolStage([], 8, "cpu")
+    context, once the stage's warmup set its executors."""
+    stage = KpoolStage([], 8, "cpu", mx_scales=False)
     stage.steps = PlannedSteps(layer="a", max_rows=8)
     assert not stage.planned()  # no forward context
     with override_forward_context(context({"a": metadata()})):
         assert not stage.planned()
-        stage.warmed = True
+        stage.executors = {"key": "executor"}
         assert stage.planned()

@@ -1,89 +1,95 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``warmup.py``: the stage's JIT warmup entry, which turns the stage on only
-once its kernels compiled and (unless "off") passed the self-check, and
-otherwise leaves it off and says so ("strict": raises) (CPU; the self-check
-itself is ``specialized_decode/test_self_check.py``'s)."""
+"""``runtime/warmup.py``: the stage's JIT warmup entry (``StageWarmup``, a
+vLLM ``VllmJitKernel``), which gives the stage its executors only once its
+kernels compiled and (unless "off") passed the self-check, and otherwise
+leaves it off and says so ("strict": raises) (CPU; the self-check itself is
+``specialized_decode``'s to test)."""
 
 import logging
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
-from kpool_harness import Step, make_inputs
+from indexer_sim import KERNELS, Step, assert_same, kernel_name
 
-from vllm.models.glm5next.nvidia.specialized_decode import self_check, warmup
-from vllm.models.glm5next.nvidia.specialized_decode.constants import (
-    SELF_CHECK_SEED_ENV,
+from vllm.model_executor.warmup.jit_warmup import VllmJitKernel
+from vllm.models.glm5next.nvidia.specialized_decode import self_check
+from vllm.models.glm5next.nvidia.specialized_decode.config import SELF_CHECK_SEED_ENV
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
+    SELECT,
 )
-from vllm.models.glm5next.nvidia.specialized_decode.update_kernel import UPDATE
-
-ENTRY_KEY = "dsa_kpool"
+from vllm.models.glm5next.nvidia.specialized_decode.runtime import warmup
+from vllm.models.glm5next.nvidia.specialized_decode.runtime.warmup import StageWarmup
 
 
 @pytest.fixture
-def model(engine):
-    """A model's installed stage, its warmup not run yet, and a decode step."""
-    return engine(make_inputs(Step([1, 1], [150, 180], seed=80)), warm=False)
-
-
-def entry(model, mode):
-    return warmup.KpoolWarmup(model.stage, [model.attention], mode)
+def model(bench):
+    """A model's stage, its warmup not run yet, and a decode step."""
+    return bench(Step([1, 1], [150, 180], seed=80), warm=False)
 
 
 def warmup_lines(vllm_log):
     return [r for r in vllm_log.records if r.name == warmup.__name__]
 
 
-def test_warmup_entry(model, spies):
-    """The registry protocol: one key per stage; compiling it compiles the
-    variants ``warmup_keys`` derives for the layers, then turns the stage on
-    ("off": no self-check)."""
-    warm = entry(model, "off")
-    assert warm.get_warmup_keys() == [(ENTRY_KEY, id(model.stage))]
-    assert not model.stage.warmed and not model.stage.planned()
-    warm.compile_many(warm.get_warmup_keys())
-    assert model.stage.warmed
-    derived = warmup.warmup_keys(model.stage, [model.attention])
-    assert set().union(*spies.compiled.values()) == {key for _, key in derived}
-    assert warmup.POSITIONS_DTYPE is torch.int64
+def test_warmup_entry(model):
+    """The registry protocol: the keys are (kernel, compile key) pairs of
+    ``deployment_values``; ``compile_many`` compiles them and ("off": no
+    self-check) gives the stage their executors, and only then does the
+    stage plan steps."""
+    stage, attentions = model.stage, model.engine.attentions
+    entry = StageWarmup(stage, attentions, "off")
+    assert isinstance(entry, VllmJitKernel)
+    keys = entry.get_warmup_keys()
+    want = {
+        (kernel, key)
+        for kernel, values in warmup.deployment_values(stage, attentions)
+        for key in kernel.get_warmup_keys(**values)
+    }
+    assert set(keys) == want and len(keys) == len(want)
+    assert {kernel_name(key) for _, key in keys} == {"update", "expand", "remap"}
+    assert not stage.executors and not stage.planned()
+    entry.compile_many(keys)
+    assert set(stage.executors) == {key for _, key in keys}
+    for kernel, key in keys:
+        assert stage.executors[key] is kernel.executor(key)
+    assert (torch.int64, torch.int64) == (warmup.POSITIONS, warmup.SLOTS)
 
 
 @pytest.mark.parametrize(
-    "mode, problem, warmed, level",
+    "mode, problem, on, level",
     [
         ("on", None, True, logging.INFO),
-        ("on", "UpcastLogitsKernel case 3", False, logging.ERROR),
+        ("on", "UpcastKernel case 3 (seed 80): differs", False, logging.ERROR),
         ("strict", None, True, logging.INFO),
-        ("strict", "UpcastLogitsKernel case 3", None, None),
+        ("strict", "UpcastKernel case 3 (seed 80): differs", None, None),
     ],
 )
-def test_warmup_self_check(
-    monkeypatch, model, spies, vllm_log, mode, problem, warmed, level
-):
+def test_warmup_self_check(monkeypatch, model, vllm_log, mode, problem, on, level):
     """The self-check after the compiles (its answer given here): a failure
     keeps the stage off with one error line naming the seed, or raises."""
     seen = []
 
-    def check(keys, seed, device):
-        seen.append((len(keys), seed, device))
+    def check(executors, seed, device):
+        seen.append((len(executors), seed, device))
         return problem
 
     monkeypatch.setattr(self_check, "check", check)
-    monkeypatch.setenv(SELF_CHECK_SEED_ENV, "77")
+    entry = StageWarmup(model.stage, model.engine.attentions, mode, seed=77)
     failed = (
         f"GLM-5-Next specialized decode: self-check failed, {problem}; dsa_kpool "
-        "stays off and the decode runs stock (replay with "
-        f"{SELF_CHECK_SEED_ENV}=77)."
+        f"stays off and the decode runs stock (replay with {SELF_CHECK_SEED_ENV}=77)."
     )
-    if warmed is None:
+    if on is None:
         with pytest.raises(RuntimeError) as error:
-            entry(model, mode).compile_many([(ENTRY_KEY, id(model.stage))])
-        assert str(error.value) == failed and not model.stage.warmed
+            entry.compile_many(entry.get_warmup_keys())
+        assert str(error.value) == failed and not model.stage.executors
         return
-    entry(model, mode).compile_many([(ENTRY_KEY, id(model.stage))])
-    variants = sum(len(keys) for keys in spies.compiled.values())
-    assert model.stage.warmed is warmed
+    entry.compile_many(entry.get_warmup_keys())
+    variants = len(entry.get_warmup_keys())
+    assert bool(model.stage.executors) is on
     assert seen == [(variants, 77, torch.device("cpu"))]
     [record] = warmup_lines(vllm_log)
     assert record.levelno == level
@@ -93,7 +99,7 @@ def test_warmup_self_check(
         assert re.fullmatch(
             "GLM-5-Next specialized decode: self-check passed: "
             rf"{variants} kernel variants x {self_check.CASES} cases, seed 77, "
-            r"\d+\.\d\d s\.",
+            r"\d+\.\d\d s; dsa_kpool on\.",
             record.getMessage(),
         )
 
@@ -104,93 +110,99 @@ def test_self_check_seed(monkeypatch, model, vllm_log):
     monkeypatch.setattr(
         self_check, "check", lambda keys, seed, device: seeds.append(seed) or "bad"
     )
-    monkeypatch.delenv(SELF_CHECK_SEED_ENV, raising=False)
     monkeypatch.setattr(warmup.secrets, "randbits", lambda n: bits.append(n) or 12345)
-    entry(model, "on").compile_many([(ENTRY_KEY, id(model.stage))])
-    assert bits == [31] and seeds == [12345] and not model.stage.warmed
+    entry = StageWarmup(model.stage, model.engine.attentions)
+    entry.compile_many(entry.get_warmup_keys())
+    assert bits == [31] and seeds == [12345] and not model.stage.executors
     [record] = warmup_lines(vllm_log)
     assert record.getMessage().endswith(f"(replay with {SELF_CHECK_SEED_ENV}=12345).")
+
+
+def failing(monkeypatch):
+    """The update's compile fails (``no ptxas``)."""
+
+    def fail(compile_key):
+        raise RuntimeError("no ptxas")
+
+    monkeypatch.setattr(KERNELS["update"], "executor", fail)
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_failed_warmup_leaves_the_stage_off(monkeypatch, model, vllm_log, mode):
     """A warmup that raises (here: a compile) leaves the stage off, logs an
     error with the traceback saying so, and the steps run stock."""
-
-    def fail(compile_key):
-        raise RuntimeError("no ptxas")
-
-    monkeypatch.setattr(UPDATE, "compile", fail)
-    entry(model, mode).compile_many([(ENTRY_KEY, id(model.stage))])
-    assert not model.stage.warmed
+    failing(monkeypatch)
+    entry = StageWarmup(model.stage, model.engine.attentions, mode)
+    entry.compile_many(entry.get_warmup_keys())
+    assert not model.stage.executors
     [record] = warmup_lines(vllm_log)
     assert record.levelno == logging.ERROR and record.exc_info is not None
     assert record.getMessage() == (
         "GLM-5-Next specialized decode: warmup failed (no ptxas); dsa_kpool stays "
         "off and the decode runs stock."
     )
-    got = model.run(model.inputs)
-    assert got.routes == ["indexer:expand", "stock:convert"]
+    got = model.run()
+    assert model.routes == ["indexer:expand", "stock:convert"]
+    assert_same(model.stock(), got, model.fwd)
 
 
 def test_failed_warmup_strict_raises(monkeypatch, model):
-    def fail(compile_key):
-        raise RuntimeError("no ptxas")
-
-    monkeypatch.setattr(UPDATE, "compile", fail)
+    failing(monkeypatch)
+    entry = StageWarmup(model.stage, model.engine.attentions, "strict")
     with pytest.raises(RuntimeError, match="no ptxas"):
-        entry(model, "strict").compile_many([(ENTRY_KEY, id(model.stage))])
-    assert not model.stage.warmed
+        entry.compile_many(entry.get_warmup_keys())
+    assert not model.stage.executors
 
 
-def _select_stage(max_rows: int):
-    from types import SimpleNamespace
-
-    pool_buffer = torch.zeros((max_rows, 2048), dtype=torch.int32)
-    return SimpleNamespace(pool_buffer=pool_buffer, max_rows=max_rows, sms=132)
+def select_keys(rows: int, width: int) -> set:
+    return {
+        SELECT.dispatch(k=512, dtype=torch.float32, rows=r, width=width, sms=132)
+        for r in range(1, rows + 1)
+    }
 
 
 @pytest.mark.parametrize("width", [65536, 262144])
 @pytest.mark.parametrize("max_rows", [8, 70])
-def test_select_cases_are_each_row_count_of_one_wave(width, max_rows):
-    """Every row count from 1 to the stage's rows whose clusters fit one wave
-    (``LayerStep.select`` runs no other), at ``max_pool_len``, writing the
-    stage's pool buffer: one wave is 1-66 rows at 65536 pools, 1-16 at
-    262144."""
-    from types import SimpleNamespace
-
-    stage = _select_stage(max_rows)
-    indexer = SimpleNamespace(max_pool_len=width, topk_tokens=2048)
-    cases = warmup.select_cases(stage, indexer, torch.float32)
+def test_select_keys_are_each_row_count_of_one_wave(width, max_rows):
+    """The select's keys are those of every row count from 1 to the stage's
+    rows whose clusters fit one wave (``LayerStep.select`` runs no other):
+    1-66 rows at 65536 pools, 1-16 at 262144, on 132 SMs."""
+    stage = SimpleNamespace(
+        mx_scales=False, select=True, fuse=True, max_rows=max_rows, sms=132
+    )
+    values = dict(
+        (kernel, v)
+        for kernel, v in warmup.deployment_values(stage, [_layer(width)])
+        if kernel is SELECT
+    )[SELECT]
+    assert values == dict(
+        max_rows=max_rows, k=512, dtype=torch.float32, width=width, sms=132
+    )
     wave = 66 if width == 65536 else 16
-    assert [case.logits.shape[0] for case in cases] == list(
-        range(1, min(max_rows, wave) + 1)
+    keys = SELECT.get_warmup_keys(**values)
+    assert set(keys) == select_keys(min(max_rows, wave), width)
+
+
+def _layer(width: int):
+    """A DSA layer as ``deployment_values`` reads it (2048-token top-k,
+    ``width`` pools of logits), its MLA cache unbound."""
+    tail = torch.zeros((5, 2, 8, 128), dtype=torch.bfloat16)
+    indexer = SimpleNamespace(
+        k_cache=SimpleNamespace(kv_cache=torch.zeros((9, 16, 132), dtype=torch.uint8)),
+        tail_cache=SimpleNamespace(kv_cache=tail),
+        topk_tokens=2048,
+        topk_indices_buffer=torch.zeros((4, 2176), dtype=torch.int32),
+        scale_fmt="ue8m0",
+        max_pool_len=width,
     )
-    for case in cases:
-        rows = case.logits.shape[0]
-        assert case.logits.shape == (rows, width) and case.k == 512
-        assert case.ends.shape == (rows,) and case.ends.dtype is torch.int32
-        assert case.out.data_ptr() == stage.pool_buffer.data_ptr()
-        assert case.out.shape == (rows, 512)
-    del indexer.max_pool_len  # no logits width: nothing compiles, stock runs
-    assert warmup.select_cases(stage, indexer, torch.float32) == []
+    mla = SimpleNamespace(mla_attn=SimpleNamespace(kv_cache=None))
+    return SimpleNamespace(indexer=indexer, mla_attn=mla)
 
 
-def test_layer_step_selects_up_to_the_stages_rows(monkeypatch):
-    """The select takes a step of exactly the stage's rows, not one more."""
-    from types import SimpleNamespace
-
-    from vllm.models.glm5next.nvidia.specialized_decode import stage as stage_module
-
-    taken = []
-    monkeypatch.setattr(
-        stage_module.SELECT, "run_if_ready", lambda args: taken.append(args) or args
-    )
-    stage = SimpleNamespace(**vars(_select_stage(max_rows=4)), select=True)
-    step = stage_module.LayerStep(stage, remap=object(), k=512)
-    ends = torch.zeros(5, dtype=torch.int32)
-    assert step.select(torch.zeros((4, 65536)), ends[:4]) and step.selected
-    assert taken[-1].out.shape == (4, 512)
-    step = stage_module.LayerStep(stage, remap=object(), k=512)
-    assert not step.select(torch.zeros((5, 65536)), ends) and not step.selected
-    assert len(taken) == 1
+@pytest.mark.parametrize("select, fuse", [(False, True), (True, False)])
+def test_no_select_keys_unless_opted_in_and_fused(select, fuse):
+    """The select runs only in deferring steps of an opted-in stage: no key
+    otherwise."""
+    stage = SimpleNamespace(mx_scales=True, select=select, fuse=fuse, max_rows=8)
+    kernels = [k for k, _ in warmup.deployment_values(stage, [_layer(65536)])]
+    assert SELECT not in kernels and KERNELS["upcast"] in kernels

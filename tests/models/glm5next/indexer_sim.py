@@ -1,0 +1,1187 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The indexer simulator: GLM-5-Next's patched ``sparse_attn_indexer_kpool``
+and the sparse MLA top-k conversion run as serving runs them, the
+``dsa_kpool`` stage against stock, every byte a step leaves.
+
+The references (DeepGEMM's scores in torch, the prefill top-k, the K gather,
+the workspace, the decode top-k stand-ins) go into the indexer modules and
+``runtime/stage.py`` (``references``). ``Spies`` record each stage launch
+and, on the CPU, compute it by its stock twin; stock fallbacks, hand-overs
+and the fake streams land in the same timeline. A ``Model`` is one engine's
+DSA layers and their conversion, its stage built as ``install()`` and the
+JIT warmup build it (``build_stage``); ``differences`` compares two models'
+layer step. ``Run`` drives the models step after step (eager, FULL and
+piecewise graphs, two engines, streams held back); ``Bench`` runs one step
+of one layer for the CPU routing tests."""
+
+import contextlib
+import importlib.util
+import os
+import random
+import secrets
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from indexer_batches import BACKENDS, Backend, Builder, Geometry, Scheduler, Workload
+
+from vllm.compilation import breakable_cudagraph as breakable
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import (
+    BatchDescriptor,
+    ForwardContext,
+    get_forward_context,
+    override_forward_context,
+)
+from vllm.model_executor.layers import sparse_attn_indexer as stock_layers
+from vllm.model_executor.layers.attention.sparse_mla_attention import (
+    SparseMLACommonImpl,
+)
+from vllm.models.glm5next.nvidia import sparse_indexer
+from vllm.models.glm5next.nvidia.ops import kpool_compress as kpool_ops
+from vllm.models.glm5next.nvidia.specialized_decode import kpool
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common import host
+from vllm.models.glm5next.nvidia.specialized_decode.runtime import (
+    install,
+    remap,
+    warmup,
+)
+from vllm.models.glm5next.nvidia.specialized_decode.runtime import (
+    stage as stage_module,
+)
+from vllm.utils import deep_gemm
+from vllm.v1.attention.backends.mla import flashinfer_mla_sparse_sm90 as fi_sm90
+from vllm.v1.attention.backends.mla import flashmla_sparse, sparse_utils
+from vllm.v1.attention.backends.mla import index_group as groups
+
+POOL, D = 4, 128
+# Written over every buffer a layer's step may write, before it: no result
+# is ever -7, so a byte left as it was shows.
+POISON = -7
+# Logits past a row's end: any top-k that read them would pick them.
+PAST_END = 1e30
+# The stock functions, before any test patches them.
+STOCK_UPDATE = kpool_ops.kpool_decode_update_and_maybe_write_cache_batched
+STOCK_EXPAND = kpool_ops.expand_pools_and_append_tail
+STOCK_UPCAST = stock_layers.as_fp32_logits
+STOCK_CONVERT = sparse_utils.triton_convert_req_index_to_global_index
+STOCK_MX = deep_gemm.mqa_logits_use_mx_scales
+KERNELS = dict(
+    update=kpool.UPDATE, expand=kpool.EXPAND, remap=kpool.REMAP,
+    upcast=kpool.UPCAST, select=kpool.SELECT,
+)  # fmt: skip
+StageRegistry, StageWarmup = install.StageRegistry, warmup.StageWarmup
+
+# --- References --------------------------------------------------------------
+
+
+def _scale(raw: torch.Tensor, mx: bool) -> torch.Tensor:
+    """Per-32-block float64 factors ``[..., 4]`` of four scale bytes
+    ``[..., 4]``: UE8M0 exponents with MX, else one FP32."""
+    if mx:
+        return torch.pow(2.0, raw.double() - 127.0)
+    return raw.contiguous().view(torch.float32).double().expand(*raw.shape[:-1], 4)
+
+
+def _scores(q, q_scale, keys, k_scale, weights) -> torch.Tensor:
+    """``[R, L]`` float64 ``sum_h w_h relu(q_h . k)`` of FP8 ``q [R, H, D]``
+    and ``keys [R, L, D]`` scaled per 32-wide block (``q_scale [R, H, 4]`` or
+    None, ``k_scale [R, L, 4]``): each block's FP8 dot product is exact in
+    float64 whatever the order of its sums, and scaled once."""
+    r, h = q.shape[:2]
+    qb = q.float().double().view(r, h, 4, D // 4)
+    kb = keys.float().double().view(r, keys.shape[1], 4, D // 4)
+    dots = torch.einsum("rhbd,rlbd->rhlb", qb, kb) * k_scale[:, None]
+    if q_scale is not None:
+        dots = dots * q_scale[:, :, None]
+    return (torch.relu(dots.sum(-1)) * weights.double()[:, :, None]).sum(1)
+
+
+def _q_scale(q_scale, rows: int, heads: int):
+    """The query's MX scale factors (unit ones, as ``mqa_logits_mx_inputs``
+    gives an FP8 query), or None (FP32 scales: folded into the weights)."""
+    if q_scale is None:
+        return None
+    raw = q_scale.reshape(rows, heads).contiguous().view(torch.uint8)
+    return _scale(raw.view(rows, heads, 4), True)
+
+
+def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
+    """DeepGEMM's ``fp8_fp4_paged_mqa_logits``: ``q = (values [B, next_n,
+    H, D], MX scales or None)``, ``kv_cache [blocks, page, D + 4]`` uint8 (a
+    page's values, then its scales), ``lens [B, next_n]`` in pools,
+    ``tables`` per request or per row; ``[B * next_n, max_model_len]``
+    logits, BF16 with MX scales (SM100) else FP32, ``PAST_END`` past each
+    row's length. ``dtype`` and ``pad`` (row stride) override."""
+    values, q_scale = q
+    rows, heads = values.shape[0] * values.shape[1], values.shape[2]
+    width, device, mx = kw["max_model_len"], values.device, q_scale is not None
+    blocks, page = kv_cache.shape[:2]
+    flat = kv_cache.reshape(blocks, -1)
+    keys = flat[:, : page * D].view(torch.float8_e4m3fn).view(blocks, page, D)
+    scales = flat[:, page * D :].view(blocks, page, 4)
+    table = tables[torch.arange(rows, device=device) * tables.shape[0] // rows]
+    cols, ends = torch.arange(width, device=device), lens.reshape(-1)[:rows]
+    q_rows, qs = values.reshape(rows, heads, D), _q_scale(q_scale, rows, heads)
+    out = torch.full((rows, width), PAST_END, dtype=torch.float64, device=device)
+    step = max(1, (1 << 20) // (width * heads))
+    for start in range(0, rows, step):
+        sl = slice(start, start + step)
+        ids, slots = table[sl][:, cols // page].long(), cols % page
+        score = _scores(
+            q_rows[sl], None if qs is None else qs[sl], keys[ids, slots],
+            _scale(scales[ids, slots], mx), weights[sl],
+        )  # fmt: skip
+        out[sl] = torch.where(cols < ends[sl, None], score, PAST_END)
+    dtype = kw.get("dtype") or (torch.bfloat16 if mx else torch.float32)
+    padded = torch.empty((rows, width + kw.get("pad", 0)), dtype=dtype, device=device)
+    return padded[:, :width].copy_(out)
+
+
+def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
+    """DeepGEMM's ``fp8_fp4_mqa_logits`` (prefill): row ``i`` scores keys
+    ``[ks[i], ke[i])`` of the gathered ``kv = (values [N, D], scales [N])``
+    from column 0, ``PAST_END`` after."""
+    (values, q_scale), (k_values, k_scales) = q, kv
+    rows, heads, mx = values.shape[0], values.shape[1], q_scale is not None
+    cols = torch.arange(max_seqlen_k, device=values.device)
+    raw = k_scales.contiguous().view(torch.uint8).view(-1, 4)
+    qs = _q_scale(q_scale, rows, heads)
+    out = torch.full(
+        (rows, max_seqlen_k), PAST_END, dtype=torch.float64, device=values.device
+    )
+    step = max(1, (1 << 20) // (max(max_seqlen_k, 1) * heads))
+    for start in range(0, rows, step):
+        sl = slice(start, start + step)
+        ids = (ks[sl, None].long() + cols).clamp(max=max(len(k_values) - 1, 0))
+        score = _scores(
+            values[sl], None if qs is None else qs[sl], k_values[ids],
+            _scale(raw[ids], mx), weights[sl],
+        )  # fmt: skip
+        out[sl] = torch.where(cols < (ke - ks)[sl, None], score, PAST_END)
+    return out.to(torch.bfloat16 if mx else torch.float32)
+
+
+def stable_topk(logits, starts, ends, k: int) -> torch.Tensor:
+    """The ``k`` best columns of each row in ``[starts, ends)``, ties to the
+    lower column (a stable descending sort), -1 past the valid ones."""
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    valid = (cols >= starts[:, None]) & (cols < ends[:, None])
+    scores = logits.float().masked_fill(~valid, float("-inf"))
+    values, ids = torch.sort(scores, dim=1, descending=True, stable=True)
+    ids = torch.where(values == float("-inf"), -1, ids)[:, :k].to(torch.int32)
+    return torch.nn.functional.pad(ids, (0, k - ids.shape[1]), value=-1)
+
+
+def select_contract(logits, ends, k: int) -> torch.Tensor:
+    """The opt-in select's contract, written from ``cutedsl/select/
+    kernel.py``'s statement (not from the product's reference): per row,
+    ``end = clamp(ends[row], 0, width)``; the top ``min(k, end)`` columns
+    below it by the IEEE totalOrder key of the FP32 value (a BF16 row's
+    exact upcast: ``-NaN < -inf < ... < -0.0 < +0.0 < ... < +NaN``), ties to
+    the lower ids, in ascending column order, then -1."""
+    bits = logits.float().view(torch.int32).long()
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # totalOrder as ints
+    width = logits.shape[1]
+    end = ends[: logits.shape[0]].long().clamp(0, width)[:, None]
+    cols = torch.arange(width, device=logits.device)
+    key = key.masked_fill(cols >= end, -(1 << 40))
+    ids = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
+    taken = torch.arange(ids.shape[1], device=ids.device) < end
+    ids = torch.sort(torch.where(taken, ids, width), dim=1).values
+    ids = torch.where(ids == width, -1, ids).to(torch.int32)
+    return torch.nn.functional.pad(ids, (0, k - ids.shape[1]), value=-1)
+
+
+def stable_decode_topk(backend=None):
+    """``get_indexer_topk(backend)`` as ``stable_topk``: deterministic, so
+    both sides pick the same ties (CUDA, the kernel-only shim)."""
+
+    def topk(logits, seq_lens, next_n, out, k, max_seq_len):
+        ends = seq_lens.reshape(-1)[: logits.shape[0]].to(torch.int32)
+        out.copy_(stable_topk(logits, torch.zeros_like(ends), ends, k))
+
+    return topk
+
+
+def contract_decode_topk(backend=None):
+    """``get_indexer_topk(backend)`` where the select is compared with it:
+    ``select_contract``'s set, each row's valid ids reversed (stock's order
+    is its own), so rows compare as sets."""
+
+    def topk(logits, seq_lens, next_n, out, k, max_seq_len):
+        ids = select_contract(logits, seq_lens.reshape(-1).to(torch.int32), k)
+        last = (ids >= 0).sum(1, keepdim=True) - 1
+        flip = (last - torch.arange(k, device=ids.device)).clamp(min=0)
+        out.copy_(torch.where(ids >= 0, ids.gather(1, flip), -1))
+
+    return topk
+
+
+def _gather(kv_cache, dst_k, dst_scale, block_table, cu) -> None:
+    """``cp_gather_indexer_k_quant_cache``: each request's first ``cu[b+1] -
+    cu[b]`` cache entries, in order, into ``dst_k [N, D]``, ``dst_scale
+    [N, 4]``."""
+    blocks, page = kv_cache.shape[:2]
+    flat = kv_cache.reshape(blocks, -1)
+    lens, total = (cu[1:] - cu[:-1]).long(), int(cu[-1])
+    req = torch.repeat_interleave(torch.arange(len(lens), device=cu.device), lens)
+    pos = torch.arange(total, device=cu.device) - cu[:-1].long()[req]
+    ids, slot = block_table[req, pos // page].long(), pos % page
+    keys = flat[:, : page * D].view(blocks, page, D)
+    dst_k[:total].view(torch.uint8).copy_(keys[ids, slot])
+    dst_scale[:total].copy_(flat[:, page * D :].view(blocks, page, 4)[ids, slot])
+
+
+def _prefill_topk(logits, starts, ends, out, rows, s0, s1, k) -> None:
+    out[:rows].copy_(stable_topk(logits[:rows], starts[:rows], ends[:rows], k))
+
+
+_LIBRARY: list = []
+
+
+class Workspace:
+    """``current_workspace_manager()``: fresh buffers of the asked shapes."""
+
+    device = torch.device("cpu")
+
+    @classmethod
+    def get_simultaneous(cls, *specs):
+        return [torch.empty(s, dtype=t, device=cls.device) for s, t in specs]
+
+
+def references(patch, modules, device, logits=paged_logits, topk=None) -> None:
+    """The stand-ins in each indexer module of ``modules`` and in the stage
+    module (``topk``, when given, as ``get_indexer_topk``); the prefill
+    top-k op where vLLM's compiled ``_C`` is absent."""
+    if not (_LIBRARY or hasattr(torch.ops._C, "top_k_per_row_prefill")) and (
+        importlib.util.find_spec("vllm._C") is None
+    ):
+        lib = torch.library.Library("_C", "FRAGMENT")
+        lib.define(
+            "top_k_per_row_prefill(Tensor logits, Tensor row_starts, Tensor "
+            "row_ends, Tensor(a!) out, int num_rows, int stride0, int stride1, "
+            "int k) -> ()"
+        )
+        lib.impl("top_k_per_row_prefill", _prefill_topk, "CompositeExplicitAutograd")
+        _LIBRARY.append(lib)
+    Workspace.device = torch.device(device)
+    names = dict(fp8_fp4_paged_mqa_logits=logits)
+    names |= {} if topk is None else dict(get_indexer_topk=topk)
+    indexer = names | dict(
+        fp8_fp4_mqa_logits=ragged_logits, current_workspace_manager=lambda: Workspace,
+        ops=SimpleNamespace(cp_gather_indexer_k_quant_cache=_gather),
+    )  # fmt: skip
+    for module, values in [*((m, indexer) for m in modules), (stage_module, names)]:
+        for name, value in values.items():
+            patch.setattr(module, name, value, raising=False)
+
+
+def mx_scales(patch, flag: bool, *modules) -> None:
+    """``mqa_logits_use_mx_scales()`` answers ``flag`` in every module that
+    imported it and in ``modules`` (e.g. a stock indexer loaded by path)."""
+    vllm = [m for n, m in list(sys.modules.items()) if n.partition(".")[0] == "vllm"]
+    for module in [*vllm, *modules]:
+        if getattr(module, "mqa_logits_use_mx_scales", None) is STOCK_MX:
+            patch.setattr(module, "mqa_logits_use_mx_scales", lambda: flag)
+
+
+# --- Kernels: stock twins and spies --------------------------------------------
+
+
+class Fake:
+    """A CUDA stream or event on the CPU: each use recorded in ``log``."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def wait_event(self, event):
+        self.log.append(f"{self.name}.wait_event({event.name})")
+
+    def wait_stream(self, stream):
+        self.log.append(f"{self.name}.wait_stream({stream.name})")
+
+    def record(self, stream=None):
+        self.log.append(f"{self.name}.record({stream.name if stream else ''})")
+
+    def __enter__(self):
+        self.log.append(f"enter {self.name}")
+
+    def __exit__(self, *exc):
+        self.log.append(f"exit {self.name}")
+
+
+def kernel_name(key) -> str:
+    return next(n for n, k in KERNELS.items() if isinstance(key, k.CompileKey))
+
+
+def twin(name: str, key, *args) -> None:
+    """Writes what the executor of ``key`` would, by the stock twin."""
+    if name == "update":
+        saved = kpool_ops.mqa_logits_use_mx_scales
+        kpool_ops.mqa_logits_use_mx_scales = lambda: key.mx_scales
+        try:
+            STOCK_UPDATE(*args, POOL, D, round_scale=key.round_scale)
+        finally:
+            kpool_ops.mqa_logits_use_mx_scales = saved
+    elif name in ("expand", "remap"):
+        ids, lengths, *rest = args
+        out, offset = (rest[0], rest[1]) if name == "expand" else (rest[2], rest[4])
+        logical = out if name == "expand" else torch.full_like(out, -1)
+        lengths = lengths[: len(ids)]
+        if key.int32_lengths:
+            lengths = lengths.to(torch.int32)
+        if len(ids):
+            STOCK_EXPAND(ids, lengths, POOL, seq_offset=offset, out=logical[: len(ids)])
+        if name == "remap":
+            req_ids, table, out, counts, _ = rest
+            STOCK_CONVERT(
+                req_ids, table, logical, BLOCK_SIZE=key.block_size,
+                BLOCK_STRIDE_ROWS=key.stride_rows, NUM_TOPK_TOKENS=out.shape[1],
+                return_valid_counts=key.counts, out=out,
+                valid_counts_out=counts[: len(out)] if key.counts else None,
+            )  # fmt: skip
+    elif name == "upcast":
+        logits, out, ends, _ = args
+        below = torch.arange(logits.shape[1], device=logits.device) < ends[:, None]
+        out[below] = STOCK_UPCAST(logits, ends)[below]
+    else:
+        logits, ends, out = args
+        out.copy_(select_contract(logits, ends, key.k))
+
+
+def any_device(names, *tensors, optional=()) -> None:
+    """``host.check_devices`` that takes CPU tensors: each a tensor (None
+    only where ``optional``), all on one device."""
+    first = None
+    for name, tensor in zip(names, tensors, strict=True):
+        if tensor is None and name in optional:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise host.mismatch(name, "a torch.Tensor", type(tensor).__name__)
+        first = tensor if first is None else first
+        if tensor.device != first.device:
+            raise host.mismatch(name, f"a tensor on {first.device}", tensor.device)
+
+
+class Spies:
+    """The stage's launches as ``watch`` wraps them: each records
+    ``kernel:<name>`` and its key (``launched``, ``launches``) and, with
+    ``compute`` (the CPU), writes what the executor would by the stock twin.
+    With ``compute``, ``check_devices`` takes CPU tensors where the launch
+    modules call it, the SM count is an H100's, and every route lands in
+    ``timeline``: the stage's stock fallbacks (``stock:<name>``), the
+    indexer's own expansion (``indexer:expand``), the group's stock
+    conversion (``stock:convert``), hand-overs (``defer``),
+    materializations and the fake streams."""
+
+    def __init__(self, patch, timeline: list, compute: bool = True):
+        self.timeline, self.compute = timeline, compute
+        self.compiled: dict = {name: set() for name in KERNELS}
+        self.launched: dict = {name: set() for name in KERNELS}
+        self.launches: Counter = Counter()
+        if not compute:
+            return
+        for kernel in KERNELS.values():
+            launch = sys.modules[type(kernel).__module__]
+            patch.setattr(launch, "check_devices", any_device)
+        for module in (stage_module, sys.modules[type(kpool.SELECT).__module__]):
+            patch.setattr(module, "sm_count", lambda index: 132)
+        update = "kpool_decode_update_and_maybe_write_cache_batched"
+        for name, module, label in (
+            (update, stage_module, "stock:update"),
+            ("as_fp32_logits", stage_module, "stock:upcast"),
+            ("expand_pools_and_append_tail", stage_module, "stock:expand"),
+            ("expand_pools_and_append_tail", kpool_ops, "indexer:expand"),
+            ("triton_convert_req_index_to_global_index", groups, "stock:convert"),
+        ):  # fmt: skip
+            patch.setattr(module, name, self.logged(label, getattr(module, name)))
+        compute_stream = Fake(timeline, "compute")
+        for module in (remap, groups):
+            patch.setattr(module, "current_stream", lambda: compute_stream)
+
+    def logged(self, entry: str, fn):
+        def wrapper(*args, **kwargs):
+            self.timeline.append(entry)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def watch(self, stage) -> None:
+        """Wraps what ``stage``'s warmup compiled, its hand-overs and
+        materializations."""
+        for key, executor in list(stage.executors.items()):
+            name = kernel_name(key)
+            self.compiled[name].add(key)
+
+            def spy(*args, key=key, name=name, executor=executor):
+                self.timeline.append(f"kernel:{name}")
+                self.launched[name].add(key)
+                self.launches[name] += 1
+                twin(name, key, *args) if self.compute else executor(*args)
+
+            stage.executors[key] = spy
+        for fused in stage.remaps.values():
+            fused.hand_over = self.logged("defer", fused.hand_over)
+        stage.materialize = self.logged("materialize", stage.materialize)
+
+    def forget(self, stage, name: str) -> None:
+        """As if ``stage``'s warmup had not compiled kernel ``name``."""
+        for key in [k for k in stage.executors if kernel_name(k) == name]:
+            del stage.executors[key]
+
+
+# --- One engine's DSA layers ---------------------------------------------------
+
+# The stock sparse MLA impl of each backend path (the stage tells backends
+# apart by their class's ``forward_mqa``).
+IMPLS = dict(
+    group=SparseMLACommonImpl, group_no_counts=flashmla_sparse.FlashMLASparseImpl,
+    compute=fi_sm90.FlashInferMLASparseSM90Impl,
+)  # fmt: skip
+
+
+def sparse_mla_impl(cls, group):
+    """An impl of ``cls``, unconstructed (no method of it runs here), with
+    what the stage and the conversion read of it."""
+    impl = cls.__new__(cls)
+    vars(impl).update(index_group=group, index_group_index=0, dcp_world_size=1)
+    return impl
+
+
+def ints(shape, device) -> torch.Tensor:
+    return torch.full(shape, POISON, dtype=torch.int32, device=device)
+
+
+def index_group(logical, rows: int, log: list):
+    """A DSA layer's index group over the ``logical`` top-k buffer with
+    ``rows`` physical rows (``SparseMLAIndexGroupBuilder``: decode rows + 1),
+    its stock side stream and events on CUDA, ``Fake`` ones on the CPU."""
+    cuda = logical.device.type == "cuda"
+    event = groups._create_event if cuda else None
+    group = groups.SparseMLAIndexGroup(
+        logical_topk_indices=logical,
+        physical_topk_indices=ints((rows, logical.shape[1]), logical.device),
+        valid_topk_counts=ints((rows,), logical.device),
+        side_stream=groups._create_side_stream(logical.device)
+        if cuda
+        else Fake(log, "side"),
+        logical_topk_ready=event() if cuda else Fake(log, "logical_ready"),
+        physical_topk_ready=event() if cuda else Fake(log, "physical_ready"),
+        has_indexer=True,
+    )
+    group.register_layer()
+    return group
+
+
+def fp8_cache(gen, blocks: int, page: int, mx: bool, device) -> torch.Tensor:
+    """An index cache of finite FP8 keys scaled ``2^-12 .. 2^-5`` (MX: four
+    equal UE8M0 bytes, as the update writes them)."""
+    cache = torch.empty((blocks, page, D + 4), dtype=torch.uint8, device=device)
+    flat = cache.view(blocks, -1)
+    values = torch.randn((blocks, page * D), generator=gen, device=device) * 100
+    fp8 = values.clamp(-448, 448).to(torch.float8_e4m3fn)
+    flat[:, : page * D] = fp8.view(torch.uint8)
+    e = torch.randint(-12, -4, (blocks, page), generator=gen, device=device)
+    scales = (e + 127).to(torch.uint8).repeat_interleave(4, 1) if mx else None
+    flat[:, page * D :] = (
+        torch.pow(2.0, e.float()).view(torch.uint8) if not mx else scales
+    )
+    return cache
+
+
+class Sim:
+    """One configuration: geometry, backend path, device, the initial caches
+    and inputs every model reads, the scheduler and the metadata builder."""
+
+    def __init__(self, geo, backend, device, seed: int, timeline=None, work=None):
+        self.geo, self.backend, self.device = geo, backend, torch.device(device)
+        self.timeline = [] if timeline is None else timeline
+        self.gen = g = torch.Generator(self.device).manual_seed(seed)
+        self.sched = Scheduler(geo, work or Workload(), random.Random(seed))
+        self.builder = Builder(geo, backend, self.device)
+        dev, n, t = self.device, geo.layers, geo.max_tokens
+        self.kv = [
+            fp8_cache(g, geo.num_blocks, geo.page, backend.mx, dev) for _ in range(n)
+        ]
+        tail = (geo.max_reqs + 1, 2, geo.ring, D)
+        self.tail = [
+            torch.randn(tail, generator=g, device=dev).bfloat16() for _ in range(n)
+        ]
+        self.ape = [torch.randn((POOL, D), generator=g, device=dev) for _ in range(n)]
+        self.source = SimpleNamespace(
+            q=torch.zeros((n, t, geo.heads, D), device=dev).to(torch.float8_e4m3fn),
+            k=torch.zeros((n, t, geo.key_stride), dtype=torch.bfloat16, device=dev),
+            w=torch.zeros((n, t, geo.heads), device=dev),
+            gate=torch.zeros((n, t, D), dtype=torch.bfloat16, device=dev),
+        )
+
+    def fill(self, rows: int) -> None:
+        """Fresh random inputs for ``rows`` rows of every layer."""
+        for name, x in vars(self.source).items():
+            values = torch.randn(
+                x[:, :rows].shape, generator=self.gen, device=self.device
+            )
+            x[:, :rows] = (values * (8 if name == "q" else 1)).to(x.dtype)
+
+
+class Model:
+    """One engine's DSA layers on ``sim``: ``module`` the indexer it runs,
+    ``kpool`` its ``SPECIALIZED_KPOOL`` (None: stock), ``options`` how it
+    converts (``counts``, ``layer_index``, ``block_stride_rows``;
+    ``consume(model, layer, logical, mla)``: a backend's own decode),
+    ``hold`` the GPU cycles each stream is held back at each hand-off,
+    ``between(layer)`` what runs between a layer's indexer and its
+    conversion. ``snaps``: per layer, what its consumer saw (the logical
+    buffer, the rows and counts the conversion returned; ``flags``: deferred,
+    the rows converted)."""
+
+    def __init__(self, sim: Sim, name: str, *, module=None, impl=None,
+                 capacity=None, bound=True):  # fmt: skip
+        geo, dev = sim.geo, sim.device
+        self.sim, self.name, self.module = sim, name, module or sparse_indexer
+        self.kpool = self.stage = self.between = None
+        self.options, self.hold, self.record = {}, 0, True
+        self.kv, self.tail = [c.clone() for c in sim.kv], [c.clone() for c in sim.tail]
+        t, w = geo.max_tokens, geo.width
+        self.buffer = ints((t, w), dev)
+        self.hidden = torch.zeros((t, 8), dtype=torch.bfloat16, device=dev)
+        self.forwards = torch.zeros(1, dtype=torch.int64, device=dev)
+        rows = (geo.capacity if capacity is None else capacity) + 1
+        self.groups, self.inputs, self.snaps, self.attentions = [], [], [], []
+        for layer, (k_prefix, tail_prefix, _) in enumerate(geo.prefixes):
+            group = index_group(self.buffer, rows, sim.timeline)
+            source = vars(sim.source).items()
+            self.inputs.append(SimpleNamespace(**{k: v[0].clone() for k, v in source}))
+            self.snaps.append(
+                SimpleNamespace(
+                    logical=ints((t, w), dev),
+                    physical=ints((t, w), dev),
+                    counts=ints((t,), dev),
+                    flags=ints((2,), dev),
+                )  # fmt: skip
+            )
+            cls = IMPLS[sim.backend.convert]
+            # The MLA cache as bound: [blocks, block, row], blocks
+            # ``mla_block_rows`` rows apart (the fused remap's layout).
+            shape = (geo.num_blocks, geo.mla_block_rows, 16)
+            mla_kv = torch.empty(shape, dtype=torch.uint8, device=dev)[:, : geo.block]
+            ns = SimpleNamespace
+            indexer = ns(
+                k_cache=ns(prefix=k_prefix, kv_cache=self.kv[layer]),
+                tail_cache=ns(prefix=tail_prefix, kv_cache=self.tail[layer]),
+                topk_indices_buffer=self.buffer, topk_tokens=geo.topk,
+                scale_fmt=geo.scale_fmt, max_pool_len=geo.max_pool_len,
+            )  # fmt: skip
+            mla = SimpleNamespace(
+                impl=impl(group) if impl else sparse_mla_impl(cls, group),
+                kv_cache=mla_kv if bound else None,
+            )
+            self.groups.append(group)
+            self.attentions.append(
+                SimpleNamespace(indexer=indexer, mla_attn=SimpleNamespace(mla_attn=mla))
+            )
+
+    @contextlib.contextmanager
+    def active(self):
+        """This model's ``SPECIALIZED_KPOOL`` in its indexer module."""
+        previous = getattr(self.module, "SPECIALIZED_KPOOL", None)
+        self.module.SPECIALIZED_KPOOL = self.kpool
+        try:
+            yield
+        finally:
+            self.module.SPECIALIZED_KPOOL = previous
+
+    def run(self, fwd, mode=CUDAGraphMode.NONE, metadata="step", dummy_run=False):
+        """One forward of ``fwd`` in a fresh forward context."""
+        with (
+            self.active(),
+            override_forward_context(context(fwd, mode, metadata, dummy_run)),
+        ):
+            self.forward(fwd)
+        return self
+
+    def forward(self, fwd) -> None:
+        """Every DSA layer's step; graph-capturable but for the indexer and
+        the conversion (eager breaks under breakable graphs)."""
+        for layer in range(self.sim.geo.layers):
+            self.forward_layer(fwd, layer)
+        self.forwards += 1  # the model's work after the last break (its head)
+
+    def forward_layer(self, fwd, layer: int) -> None:
+        """The layer's inputs copied in, every buffer it writes poisoned,
+        its step."""
+        x, group = self.inputs[layer], self.groups[layer]
+        for name, buffer in vars(x).items():
+            buffer[: fwd.rows].copy_(getattr(self.sim.source, name)[layer, : fwd.rows])
+        for buffer in (
+            self.buffer, group.physical_topk_indices, group.valid_topk_counts,
+            *vars(self.snaps[layer]).values(),
+            *([self.stage.pool_buffer] if self.stage else []),
+        ):  # fmt: skip
+            buffer.fill_(POISON)
+        self.layer_step(layer, fwd)
+
+    def layer_step(self, layer: int, fwd) -> None:
+        """The layer's indexer, its ready event, then the conversion (the
+        unit ``tools/indexer_steps.py --time`` times)."""
+        index(self, layer, fwd)
+        self.groups[layer].set_logical_topk_ready(0)
+        if self.record:
+            self.snaps[layer].flags[0] = (self.buffer == POISON).all()
+        if self.between is not None:
+            self.between(layer)
+        consume(self, layer)
+
+    def convert(self, layer: int, logical, mla):
+        """The top-k conversion as the backend path's ``forward_mqa`` makes
+        it: (physical rows, counts or None)."""
+        o, group, rows = self.options, self.groups[layer], logical.shape[0]
+        if "consume" in o:
+            return o["consume"](self, layer, logical, mla)
+        path = self.sim.backend.convert
+        impl = self.attentions[layer].mla_attn.mla_attn.impl
+        through = path == "group" or (
+            path == "group_no_counts"
+            and mla.num_decode_tokens == mla.num_actual_tokens == rows
+        )
+        # Patch 0005: FlashInfer SM90's decode-only steps through the group.
+        if path == "compute" and impl.convert_decode_through_index_group:
+            through = mla.num_decode_tokens >= rows
+        counts = o.get("counts", path != "group_no_counts")
+        stride = o.get("block_stride_rows", self.sim.geo.mla_block_rows)
+        if through:
+            out = group.convert_logical_to_physical_topk(
+                o.get("layer_index", 0), logical, mla, block_stride_rows=stride,
+                return_valid_counts=counts,
+            )  # fmt: skip
+        else:
+            out = STOCK_CONVERT(
+                mla.req_id_per_token[:rows], mla.block_table, logical,
+                BLOCK_SIZE=mla.block_size, BLOCK_STRIDE_ROWS=stride,
+                NUM_TOPK_TOKENS=logical.shape[1], return_valid_counts=counts,
+            )  # fmt: skip
+        return out if counts else (out, None)
+
+
+@breakable.eager_break_during_capture
+def index(model: Model, layer: int, fwd) -> None:
+    """The layer's indexer call (an eager break, as the indexer is), the
+    compute stream held back first: a conversion that does not wait for the
+    indexer's rows reads the poison."""
+    geo, x, rows = model.sim.geo, model.inputs[layer], fwd.rows
+    if model.hold and not torch.cuda.is_current_stream_capturing():
+        torch.cuda._sleep(model.hold)
+    positions = None if fwd.positions is None else fwd.positions[:rows]
+    model.module.sparse_attn_indexer_kpool(
+        model.hidden[:rows], geo.prefixes[layer][0], model.kv[layer], x.q[:rows],
+        None, x.k[:rows, :D], x.w[:rows], 128, geo.scale_fmt, geo.topk, D,
+        geo.max_pool_len, geo.max_reqs * geo.max_pool_len, model.buffer, False,
+        False, x.gate[:rows], model.sim.ape[layer], POOL, positions,
+        model.tail[layer], geo.prefixes[layer][1], "torch", 0, 1, 1,
+    )  # fmt: skip
+
+
+@breakable.eager_break_during_capture
+def consume(model: Model, layer: int) -> None:
+    """The MLA attention's use of the layer's top-k: convert, then keep what
+    it read and got. An eager break: at piecewise replay it runs in the
+    step's own forward context."""
+    metadata = get_forward_context().attn_metadata
+    if not isinstance(metadata, dict):
+        return  # a capture's profiling forward
+    mla = metadata[model.sim.geo.prefixes[layer][2]]
+    group = model.groups[layer]
+    if model.hold and not torch.cuda.is_current_stream_capturing():
+        # The side stream late: a consumer that does not wait for its
+        # physical rows reads the poison.
+        with group.side_stream:
+            torch.cuda._sleep(model.hold)
+    rows = mla.num_actual_tokens
+    physical, counts = model.convert(layer, model.buffer[:rows], mla)
+    if model.record:
+        snap = model.snaps[layer]
+        snap.logical.copy_(model.buffer)
+        snap.physical[: len(physical)].copy_(physical)
+        if counts is not None:
+            snap.counts[: len(counts)].copy_(counts)
+        snap.flags[1].fill_(rows)  # device values: a FULL replay sets its capture's
+
+
+def context(fwd, mode=CUDAGraphMode.NONE, metadata="step", dummy_run=False):
+    return ForwardContext(
+        no_compile_layers={},
+        attn_metadata=fwd.metadata if metadata == "step" else metadata,
+        slot_mapping={},
+        cudagraph_runtime_mode=mode,
+        batch_descriptor=BatchDescriptor(num_tokens=fwd.rows),
+        dummy_run=dummy_run,
+    )
+
+
+def build_stage(model: Model, registry, *, max_rows=None, select=False, warm=True):
+    """``model``'s stage as ``install()`` builds it and the JIT warmup turns
+    it on: a ``KpoolStage`` added to ``registry`` (a ``StageRegistry``: the
+    model's ``SPECIALIZED_KPOOL``) by its top-k buffer, then (``warm``) its
+    ``StageWarmup``, self-check off (it has its own tests): every key it
+    derives compiled, the stage's executors set."""
+    geo = model.sim.geo
+    stage = stage_module.KpoolStage(
+        model.attentions, geo.capacity if max_rows is None else max_rows,
+        model.buffer.device, mx_scales=model.sim.backend.mx, select=select,
+    )  # fmt: skip
+    registry.add(stage, model.buffer)
+    model.stage, model.kpool = stage, registry
+    if warm:
+        StageWarmup(stage, model.attentions, "off").warmup()
+        assert stage.executors, "the stage's warmup compiled nothing"
+
+
+# --- Stage against stock ---------------------------------------------------------
+
+FIELDS = (
+    "index cache", "tail cache", "logical top-k", "physical top-k", "counts",
+    "pool ids",
+)  # fmt: skip
+
+
+def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False):
+    """Device flags (no sync): per ``FIELDS``, whether ``stage`` left other
+    bytes than ``stock`` in ``layer``'s step of ``tokens`` tokens; then
+    whether it deferred, and whether no consumer read its logical rows
+    (fused). Compared whole: the caches; the logical buffer as the consumer
+    saw it (a deferring stage leaves it as it was but for the consumer's
+    rows a conversion materialized); the rows and counts the conversion
+    returned; the group's buffers past the rows converted and the stage's
+    pool buffer past the step's pool ids, left as they were. ``sets``: top-k
+    rows compare as sets."""
+    a, b = stock.snaps[layer], stage.snaps[layer]
+    pool = stage.stage.pool_buffer.view(-1) if stage.stage else b.flags[:0]
+    deferred = b.flags[0] == 1
+    fused = deferred & (b.logical == POISON).all()
+    row = torch.arange(len(a.logical), device=a.logical.device)[:, None]
+    want = torch.where(deferred & ((row >= tokens) | fused), POISON, a.logical)
+
+    def differ(x, y, rows=False):
+        if rows and sets:
+            x, y = torch.sort(x, 1).values, torch.sort(y, 1).values
+        return (x.view(torch.uint8) != y.view(torch.uint8)).any()
+
+    def strays(name: str):
+        """Bytes of the groups' buffer past the rows converted."""
+        found = []
+        for model, snap in ((stock, a), (stage, b)):
+            buffer = getattr(model.groups[layer], name)
+            rows = torch.arange(len(buffer), device=buffer.device)
+            past = (rows >= snap.flags[1]).view(-1, *[1] * (buffer.dim() - 1))
+            found.append((past & (buffer != POISON)).any())
+        return found[0] | found[1]
+
+    return [
+        differ(stock.kv[layer], stage.kv[layer]),
+        differ(stock.tail[layer], stage.tail[layer]),
+        differ(want, b.logical, rows=True),
+        differ(a.physical, b.physical, True) | strays("physical_topk_indices"),
+        differ(a.counts, b.counts) | strays("valid_topk_counts"),
+        (pool[tokens * (stage.sim.geo.topk // POOL) :] != POISON).any(),
+        deferred,
+        fused,
+    ]
+
+
+def mismatches(stock: Model, stage: Model, tokens: int, sets=False) -> list[str]:
+    """The ``FIELDS`` that differ, per layer (one sync)."""
+    layers = range(stage.sim.geo.layers)
+    flags = torch.stack(
+        [torch.stack(differences(stock, stage, i, tokens, sets)) for i in layers]
+    )
+    return [
+        f"layer {i} {name}"
+        for i, values in zip(layers, flags.tolist(), strict=True)
+        for name, differs in zip(FIELDS, values, strict=False)
+        if differs
+    ]
+
+
+def assert_same(stock: Model, stage: Model, fwd, sets=False) -> None:
+    """Every byte of the step alike (``differences``)."""
+    assert not mismatches(stock, stage, fwd.tokens, sets)
+
+
+# --- The step driver -----------------------------------------------------------
+
+MODES = ("eager", "full", "piecewise")
+STAND_INS = (
+    "DeepGEMM's paged and ragged MQA logits, the prefill top-k, the K gather and "
+    "the workspace: torch references (indexer_sim), both sides; the decode top-k: "
+    "vLLM's torch reference on the CPU, a stable sort (ties to the lower pool) on "
+    "CUDA and in the kernel-only shim, select_contract's set with the select"
+)
+# Every run's summary line, for the test session's terminal summary.
+REPORTS: list[str] = []
+# A few interpreted CPU steps: a 128-token top-k (32 pools, the fewest the
+# fused remap takes); prompts past it, mostly found in the cache.
+CPU_GEOMETRY = Geometry(
+    layers=2, heads=4, topk=128, max_model_len=512, max_reqs=4, max_tokens=256
+)
+CPU_WORK = Workload(
+    decode_steps=5, prompt=(120, 220), output=(4, 40), arrival=0.6, nonuniform=0.5,
+    phase=1, cached=(100, 200),
+)  # fmt: skip
+
+
+def fuzz_seed() -> int:
+    """``KPOOL_SEED`` to replay a run, else a fresh seed every run."""
+    return int(os.environ.get("KPOOL_SEED") or secrets.randbits(31))
+
+
+@dataclass
+class Config:
+    backend: str = "sm100"  # indexer_batches.BACKENDS
+    mode: str = "eager"  # MODES
+    geo: Geometry = field(default_factory=Geometry)
+    work: Workload = field(default_factory=Workload)
+    seed: int = 0
+    stages: int = 1  # 2: two engines' stages, their layers interleaved
+    # False (CPU): graph modes run each step eagerly in their forward context
+    # (FULL: padded batch, capture-time metadata; piecewise: padded rows).
+    capture: bool = True
+    hold_cycles: int = 0  # CUDA: each stream held back at each hand-off
+    # The opt-in select: stock's top-k is select_contract's set in another
+    # order, and the top-k rows compare as sets.
+    select: bool = False
+    full_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)  # requests
+    piecewise_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
+    max_reported: int = 20
+
+    @property
+    def name(self) -> str:
+        stages, select = "/2 stages" * (self.stages == 2), "/select" * self.select
+        return f"{self.backend}/{self.mode}/tail-{self.work.tail_split}{stages}{select}"
+
+
+@dataclass
+class Report:
+    name: str
+    seed: int
+    layers: int
+    steps: Counter = field(default_factory=Counter)
+    compared: int = 0  # buffers compared
+    deferred: int = 0  # layer-steps whose indexer left the logical buffer as it was
+    fused: int = 0  # ... and no consumer read it (the fused remap took them)
+    planned: int = 0  # steps the stage planned
+    mismatches: int = 0
+    details: list[str] = field(default_factory=list)
+    max_context: int = 0
+    requests: int = 0
+    why_not_fused: list = field(default_factory=list)
+    launches: Counter = field(default_factory=Counter)  # per kernel
+
+    def line(self) -> str:
+        s = self.steps
+        return (
+            f"indexer steps {self.name}: {s['total']} steps ({s['decode_steps']} "
+            f"with decodes: {s['decode']} decode-only, {s['mixed']} mixed; "
+            f"{s['prefill']} prefill-only), {self.layers} layers, {self.requests} "
+            f"requests, contexts up to {self.max_context}, {s['full_replay']} FULL "
+            f"and {s['piecewise_replay']} piecewise replays, {self.planned} planned, "
+            f"{self.deferred} deferred and {self.fused} fused layer-steps, kernel "
+            f"launches {dict(sorted(self.launches.items()))}, {self.compared} "
+            f"buffers compared, seed {self.seed}, {self.mismatches} mismatches"
+        )
+
+    def as_dict(self) -> dict:
+        return vars(self) | dict(
+            steps=dict(self.steps), launches=dict(self.launches), summary=self.line()
+        )
+
+
+class Run:
+    """One configuration's models fed the same steps, compared after every
+    step: ``stock`` (``SPECIALIZED_KPOOL = None``) and one or two stage
+    models. With two, each step one leads and, per layer, between its
+    indexer and its conversion the other's whole layer step runs and its
+    pool buffer is poisoned: a stage that read the other's buffer (or
+    hand-off) differs from stock."""
+
+    def __init__(self, cfg: Config, device, patch):
+        if cfg.stages not in (1, 2) or (cfg.stages == 2 and cfg.mode != "eager"):
+            raise ValueError(f"stages {cfg.stages} in mode {cfg.mode}: 1, or 2 eager")
+        self.cfg, self.patch, self.device = cfg, patch, torch.device(device)
+        cuda = self.device.type == "cuda"
+        self.sim = Sim(cfg.geo, BACKENDS[cfg.backend], device, cfg.seed, work=cfg.work)
+        names = ("stock", "stage", "stage 2")[: 1 + cfg.stages]
+        self.sides = [Model(self.sim, name) for name in names]
+        for side in self.sides:
+            side.hold = cfg.hold_cycles if cuda else 0
+        self.spies = Spies(patch, self.sim.timeline, compute=not cuda)
+        self.registry = StageRegistry()  # the stage sides' SPECIALIZED_KPOOL
+        self.graphs, self.hosts, self.stats = {}, {}, Counter()
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+
+    def setup(self, stack: contextlib.ExitStack, watch: bool = True) -> None:
+        """The stand-ins, the run's stream, then each stage side's stage
+        (``watch``: its launches counted; not while timing)."""
+        cfg, cuda = self.cfg, self.stream is not None
+        mx_scales(self.patch, self.sim.backend.mx)
+        topk = contract_decode_topk if cfg.select else None
+        # CUDA: a deterministic top-k; the kernel-only shim has no vLLM one.
+        if not topk and (cuda or hasattr(sys.modules["vllm"], "__kernel_env__")):
+            topk = stable_decode_topk
+        references(self.patch, [sparse_indexer], self.device, paged_logits, topk)
+        if self.stream is not None:  # after the initial state's stream
+            self.stream.wait_stream(torch.cuda.current_stream())
+            stack.enter_context(torch.cuda.stream(self.stream))
+        for side in self.sides[1:]:
+            build_stage(side, self.registry, select=cfg.select)
+            if watch:
+                self.spies.watch(side.stage)
+
+    def run(self) -> Report:
+        cfg = self.cfg
+        report = Report(cfg.name, cfg.seed, cfg.geo.layers, steps=self.stats)
+        report.launches = self.spies.launches
+        with contextlib.ExitStack() as stack:
+            self.setup(stack)
+            report.why_not_fused = sum(
+                (s.stage.why_not_fused for s in self.sides[1:]), []
+            )
+            index = 0
+            while self.sim.sched.decode_steps < cfg.work.decode_steps:
+                self.step(index, report)
+                index += 1
+        report.requests = self.sim.sched.rids
+        return report
+
+    def how(self, batch) -> tuple[str, int, int]:
+        """(mode, hidden rows, padding requests) of ``batch``."""
+        cfg, tokens = self.cfg, batch.tokens
+        if cfg.mode == "full" and batch.kind == "decode" and batch.uniform:
+            q = batch.items[0].q_len
+            sizes = [s for s in cfg.full_sizes if s >= len(batch.items)]
+            if sizes and sizes[0] * q <= cfg.geo.capacity:
+                return "full", sizes[0] * q, sizes[0] - len(batch.items)
+        if cfg.mode == "piecewise":
+            sizes = [s for s in cfg.piecewise_sizes if s >= tokens]
+            if sizes and sizes[0] <= cfg.geo.max_tokens:
+                return "piecewise", sizes[0], 0
+        return "eager", tokens, 0
+
+    def run_side(self, side: Model, fwd, how: str) -> None:
+        key, stage = (side.name, how, fwd.key), side is not self.sides[0]
+        mode = CUDAGraphMode[
+            dict(eager="NONE", full="FULL", piecewise="PIECEWISE")[how]
+        ]
+        if how == "full" and self.hosts.setdefault(key, fwd.host) != fwd.host:
+            raise AssertionError(
+                f"FULL graph {key} captured with host values {self.hosts[key]}, "
+                f"replayed for {fwd.host}: the graph key misses one"
+            )
+        graph = self.graphs.get(key)
+        if how == "eager" or not self.cfg.capture:
+            side.run(fwd, mode)
+        elif how == "full" and graph is None:
+            side.run(fwd, mode)  # the step itself, which warms up
+            graph = self.graphs[key] = torch.cuda.CUDAGraph()
+            with (
+                side.active(), override_forward_context(context(fwd, mode)),
+                torch.cuda.graph(graph, pool=self.pool, stream=self.stream),
+            ):  # fmt: skip
+                side.forward(fwd)
+            self.stats["full_capture"] += stage
+        elif how == "full":
+            graph.replay()
+            self.stats["full_replay"] += stage
+        else:
+            if graph is None:
+                # Captured as vLLM captures: a profiling forward (no
+                # metadata), whose eager breaks write nothing.
+                graph = self.graphs[key] = breakable.BreakableCUDAGraphCapture(
+                    pool=self.pool
+                )
+                with (
+                    side.active(),
+                    override_forward_context(context(fwd, mode, None)),
+                    graph,
+                ):
+                    side.forward(fwd)
+                self.stats["piecewise_capture"] += stage
+            with side.active(), override_forward_context(context(fwd, mode)):
+                graph.replay()
+            self.stats["piecewise_replay"] += stage
+
+    def interleave(self, other: Model, fwd, layer: int) -> None:
+        """Between a stage's indexer and its conversion of ``layer``: the
+        other stage's whole step of the layer, then its pool buffer
+        poisoned."""
+        with other.active(), override_forward_context(context(fwd)):
+            other.forward_layer(fwd, layer)
+        other.stage.pool_buffer.fill_(POISON)
+
+    def step(self, index: int, report: Report) -> None:
+        cfg, sim, s = self.cfg, self.sim, self.stats
+        batch = sim.sched.schedule()
+        how, rows, pad = self.how(batch)
+        fwd = sim.builder.build(
+            batch, rows=rows, full=how == "full", pad_reqs=pad,
+            tail_split=cfg.work.tail_split,
+        )  # fmt: skip
+        sim.fill(rows)
+        sim.timeline.clear()
+        for name, counted in (
+            ("total", 1), (batch.kind, 1), ("decode_steps", batch.num_decodes > 0),
+            (f"mode {how}", 1), (f"layout {fwd.layout}", 1),
+            (f"next_n {batch.next_n}", batch.num_decodes > 0),
+        ):  # fmt: skip
+            s[name] += counted
+        report.max_context = max(
+            report.max_context, *(i.start + i.q_len for i in batch.items)
+        )
+        with override_forward_context(context(fwd)):
+            report.planned += self.sides[1].stage.planned()
+        sides = self.sides
+        if cfg.stages == 2:  # each step the other stage leads
+            lead, other = sides[1 + index % 2], sides[2 - index % 2]
+            lead.between = lambda layer: self.interleave(other, fwd, layer)
+            sides = [sides[0], lead]
+        for side in sides:
+            self.run_side(side, fwd, how)
+        if cfg.stages == 2:
+            lead.between = None
+            other.forwards += 1
+        self.compare(fwd, index, report)
+        sim.sched.commit(batch)
+
+    def compare(self, fwd, index: int, report: Report) -> None:
+        stock, where = self.sides[0], []
+        for side in self.sides[1:]:
+            where += [(side, layer) for layer in range(self.cfg.geo.layers)]
+        flags = torch.stack(
+            [
+                torch.stack(differences(stock, s, i, fwd.tokens, self.cfg.select))
+                for s, i in where
+            ]
+        )
+        for (side, layer), values in zip(where, flags.tolist(), strict=True):
+            *diffs, deferred, fused = values
+            report.deferred += deferred
+            report.fused += fused
+            report.compared += len(diffs)
+            for name in (name for name, d in zip(FIELDS, diffs, strict=True) if d):
+                report.mismatches += 1
+                if len(report.details) < self.cfg.max_reported:
+                    report.details.append(
+                        f"step {index} ({fwd.kind}, {fwd.layout} rows, {fwd.rows} "
+                        f"rows) {side.name} layer {layer}: {name} differs"
+                    )
+
+
+# --- One step of one layer, for the CPU routing tests ---------------------------
+
+
+@dataclass
+class Step:
+    """A decode step: ``q_lens[b]`` tokens of request ``b`` after ``ctx[b]``,
+    in ``layout`` rows ("native": uniform, "varlen": a row per token
+    (SM100), "padded": ``[B, max q_len]`` rows (SM90 non-uniform), "flat"),
+    ``pad_rows`` CUDA graph padding rows after the tokens, a ``prefill`` of
+    that many tokens after the decodes; the layer's top-k, buffer width,
+    key row stride, scale format and MLA block stride."""
+
+    q_lens: list[int]
+    ctx: list[int]
+    layout: str = "native"
+    pad_rows: int = 0
+    prefill: int = 0
+    positions: bool = True
+    seed: int = 0
+    topk: int = 128
+    width: int = 0  # 0: vLLM's for topk
+    key_stride: int = D
+    scale_fmt: str | None = "ue8m0"
+    stride_rows: int = 64
+    first_layer: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.q_lens) + self.prefill
+
+    def geometry(self) -> Geometry:
+        longest = max(c + q for c, q in zip(self.ctx, self.q_lens, strict=True))
+        length = max(512, -(-longest // 64) * 64)
+        return Geometry(
+            layers=1, heads=4, topk=self.topk, max_model_len=length,
+            max_reqs=len(self.q_lens) + 2, max_tokens=self.tokens + self.pad_rows + 4,
+            mla_block_rows=self.stride_rows, key_stride=self.key_stride,
+            scale_fmt=self.scale_fmt, buffer_width=self.width,
+            first_layer=self.first_layer,
+        )  # fmt: skip
+
+    def backend(self, mx: bool) -> Backend:
+        other = "flat" if self.layout == "flat" else "padded"
+        return Backend("step", mx, self.layout == "varlen", other, "group")
+
+
+class Bench:
+    """One step of one DSA layer (CPU): ``run`` runs it on the engine (its
+    stage built, warmed up and spied; ``select``: opted in) or another
+    model, ``stock`` on a fresh model of ``stock_module`` (the unpatched
+    indexer), each from the same initial caches and inputs."""
+
+    def __init__(self, spies: Spies, step: Step, stock_module=None, *, mx=False,
+                 registry=None, max_rows=None, select=False, warm=True,
+                 **model):  # fmt: skip
+        self.sim = Sim(
+            step.geometry(), step.backend(mx), "cpu", step.seed, spies.timeline
+        )
+        self.spies, self.stock_module, self.model, self.batch = (
+            spies,
+            stock_module,
+            model,
+            None,
+        )
+        self.use(step)
+        self.engine = Model(self.sim, "stage", **model)
+        self.registry = StageRegistry() if registry is None else registry
+        build_stage(
+            self.engine, self.registry, max_rows=max_rows, select=select, warm=warm
+        )
+        self.stage = self.engine.stage
+        spies.watch(self.stage)
+
+    def use(self, step: Step) -> None:
+        """``step`` the next step (it fits the first one's geometry)."""
+        if self.batch is not None:
+            self.sim.sched.release(self.batch)
+        self.batch = self.sim.sched.fixed(step.q_lens, step.ctx, step.prefill)
+        self.fwd = self.sim.builder.build(self.batch, rows=step.tokens + step.pad_rows)
+        self.fwd.positions = self.fwd.positions if step.positions else None
+        self.sim.fill(self.fwd.rows)
+
+    def run(self, model=None, *, mode=CUDAGraphMode.NONE, dummy_run=False, **options):
+        """``model`` (the engine) run on the step; ``options``:
+        ``Model.options``. Fails on a hand-off left pending."""
+        model = model or self.engine
+        for caches, initial in ((model.kv, self.sim.kv), (model.tail, self.sim.tail)):
+            for cache, init in zip(caches, initial, strict=True):
+                cache.copy_(init)
+        model.options = options
+        self.spies.timeline.clear()
+        model.run(self.fwd, mode, dummy_run=dummy_run)
+        assert all(r.pending is None for r in self.stage.remaps.values())
+        return model
+
+    def stock(self, **options) -> Model:
+        capacity = self.model.get("capacity")
+        model = Model(self.sim, "stock", module=self.stock_module, capacity=capacity)
+        return self.run(model, **options)
+
+    @property
+    def routes(self) -> list[str]:
+        """The timeline's routes: launches, stock fallbacks, hand-overs."""
+        starts = ("kernel:", "stock:", "indexer:", "defer", "materialize")
+        return [e for e in self.spies.timeline if e.startswith(starts)]
