@@ -213,7 +213,7 @@ def unsupported(vllm_config) -> list[str]:
         # The routing is host code run at each eager step and capture; a
         # compiled forward would trace one decision into every step.
         "no torch.compile of the model (compilation_config mode NONE, "
-        f"e.g. -O0; found {compilation.mode!s})": (
+        f"e.g. -O0; found {CompilationMode(compilation.mode).name})": (
             compilation.mode == CompilationMode.NONE
         ),
         # A FULL graph replays its capture's routing, which must be decode's.

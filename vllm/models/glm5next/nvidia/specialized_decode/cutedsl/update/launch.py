@@ -28,32 +28,14 @@ TENSORS = (
 )
 
 
-def check(
-    kv_cache,
-    tail_kv_cache,
-    tail_slot_mapping,
-    key,
-    slot_score,
-    ape,
-    slot_mapping,
-    positions,
-    pool_size,
-    head_dim,
-) -> None:
+def check(tensors: tuple, pool_size, head_dim) -> None:
     """What ``KpoolUpdate``'s 4- and 8-byte accesses and its warp per request
-    take of ``kpool_decode_update_and_maybe_write_cache_batched``'s arguments
+    take of ``kpool_decode_update_and_maybe_write_cache_batched``'s arguments:
+    its tensors (in ``TENSORS`` order), ``pool_size`` and ``head_dim``
     (raises ``Refused``)."""
-    check_devices(
-        TENSORS,
-        kv_cache,
-        tail_kv_cache,
-        tail_slot_mapping,
-        key,
-        slot_score,
-        ape,
-        slot_mapping,
-        positions,
-    )
+    check_devices(TENSORS, *tensors)
+    kv_cache, tail, tail_slot_mapping, key, slot_score, ape = tensors[:6]
+    slot_mapping, positions = tensors[6:]
     if head_dim != DIM:
         raise mismatch("head_dim", str(DIM), head_dim)
     if pool_size != POOL:
@@ -71,7 +53,6 @@ def check(
             "uint8 [blocks, page, bytes], 4-byte aligned pages",
             layout(kv_cache),
         )
-    tail = tail_kv_cache
     shape, stride = tail.shape, tail.stride()
     if (
         tail.dtype is not torch.bfloat16
@@ -177,7 +158,7 @@ class UpdateKernel(KpoolKernel["UpdateKernel.CompileKey"]):
             slot_mapping,
             positions,
         )
-        check(*tensors, pool_size, head_dim)
+        check(tensors, pool_size, head_dim)
         compile_key = self.dispatch(
             ring=tail_kv_cache.shape[2],
             page=kv_cache.shape[1],
