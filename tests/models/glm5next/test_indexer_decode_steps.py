@@ -73,9 +73,9 @@ def check(report, decode_steps: int) -> None:
 
 def launched(report, backend: str, select: bool = False) -> None:
     """Every kernel a planned step of ``backend`` takes was launched (the
-    upcast: MX scales only; the FP32 logits of the others are returned as
-    they are)."""
-    kernels = ["update", "remap"] + ["upcast"] * BACKENDS[backend].mx
+    upcast: MX scales only, the FP32 logits of the others are returned as
+    they are, and not where the select reads the logits as they come)."""
+    kernels = ["update", "remap"] + ["upcast"] * (BACKENDS[backend].mx and not select)
     kernels += ["select"] * select
     assert all(report.launches[k] > 0 for k in kernels), report.line()
 
@@ -223,11 +223,13 @@ def test_indexer_steps_two_stages(monkeypatch, backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_indexer_steps_select(monkeypatch, backend):
-    """The opt-in select on the GPU: stock's top-k is ``select_contract``'s
-    set (an independent reference written from the select's contract, ties
-    to the lower pool) with each row's ids reversed; the real select's rows
-    compare with it as sets, every other byte as stock's."""
-    _, report = gpu_run(monkeypatch, backend, divisor=5, hold_cycles=HOLD, select=True)
+def test_indexer_steps_select(monkeypatch, backend, mode):
+    """The opt-in select on the GPU, each backend path in each mode, streams
+    held back: stock's top-k is ``select_contract``'s set (an independent
+    reference written from the select's contract, ties to the lower pool)
+    with each row's ids reversed; the real select's rows compare with it as
+    sets, every other byte as stock's."""
+    _, report = gpu_run(monkeypatch, backend, mode, hold_cycles=HOLD, select=True)
     launched(report, backend, select=True)
