@@ -130,12 +130,14 @@ SEEDS = {
 
 @functools.cache
 def base_case(kernel) -> cases.Case:
-    """The kernel's valid case the edges change (drawn once, on the CPU;
-    never modified)."""
+    """The kernel's valid case the edges change (drawn once, where the stock
+    twins run: on CUDA if there is one, else on the CPU under Triton's
+    interpreter; never modified)."""
     seed = SEEDS[kernel]
     extra = {"sms": SMS} if kernel is select.SELECT else {}
     key = kernel.dispatch(**KEYS[kernel])
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator("cuda" if torch.cuda.is_available() else "cpu")
+    gen.manual_seed(seed)
     return cases.CASES[kernel](random.Random(seed), gen, key, **extra)
 
 

@@ -79,28 +79,37 @@ def test_check_int32(value, ok):
 
 
 def test_check_devices():
-    """CUDA tensors on one device pass (None skipped); a CPU tensor, a
-    non-tensor, a tensor on another device are refused naming them."""
+    """CUDA tensors on one device pass (None only where the argument is
+    optional); a missing required tensor, a CPU tensor, a non-tensor, a
+    tensor on another device are refused naming them."""
     names = ("a", "b", "c")
-    host.check_devices(names, on_cuda(1), None, on_cuda(1))
+    host.check_devices(names, on_cuda(1), None, on_cuda(1), optional=("b",))
     cases = [
         (
+            (on_cuda(0), None, on_cuda(0)),
+            (),
+            "b: expected a torch.Tensor, got NoneType",
+        ),
+        (
             (on_cuda(0), torch.zeros(1), None),
+            ("c",),
             "b: expected a CUDA tensor, got a tensor on cpu",
         ),
-        ((on_cuda(0), [1], None), "b: expected a torch.Tensor, got list"),
+        ((on_cuda(0), [1], None), ("c",), "b: expected a torch.Tensor, got list"),
         (
             (None, on_cuda(0), on_cuda(1)),
+            ("a",),
             "c: expected a tensor on cuda:0 as the others, got cuda:1",
         ),
         (
             (torch.zeros(1, device="meta"), None, None),
+            ("b", "c"),
             "a: expected a CUDA tensor, got a tensor on meta",
         ),
     ]
-    for tensors, message in cases:
+    for tensors, optional, message in cases:
         with pytest.raises(host.Refused) as refusal:
-            host.check_devices(names, *tensors)
+            host.check_devices(names, *tensors, optional=optional)
         assert str(refusal.value) == message
 
 

@@ -84,7 +84,9 @@ def check(
         optional=("counts",),
     )
     ids = pool_ids.stride()
-    if pool_ids.dtype is not torch.int32 or len(ids) != 2 or ids[1] != 1:
+    # An empty tensor's strides say nothing (CUDA may give [0, 1] [1, 0]).
+    unit = len(ids) == 2 and (ids[1] == 1 or not pool_ids.numel())
+    if pool_ids.dtype is not torch.int32 or not unit:
         raise mismatch(
             "pool_ids", "int32 [rows, pools], unit column stride", layout(pool_ids)
         )
