@@ -640,6 +640,7 @@ def _agreement(ours, stock, values, ends):
 
 
 @pytest.mark.gpu
+@pytest.mark.stock_topk
 def test_sets_equal_stock_topk(stock_topk):
     """On rows without NaN where no tie straddles the threshold, the
     select's set is stock's, over FP32 and BF16-upcast logits (normals,
@@ -664,6 +665,7 @@ def test_sets_equal_stock_topk(stock_topk):
 
 
 @pytest.mark.gpu
+@pytest.mark.stock_topk
 def test_nan_rows_against_stock_topk(stock_topk):
     """Rows holding NaNs, measured against stock. Stated: the select gives
     the contract's ids; stock gives distinct ids below each end; on rows
@@ -703,6 +705,7 @@ def test_nan_rows_against_stock_topk(stock_topk):
 
 
 @pytest.mark.gpu
+@pytest.mark.stock_topk
 @pytest.mark.parametrize("op", ["cooperative", "persistent"])
 def test_attention_over_the_select_equals_stock(stock_topk, op):
     """Sparse attention over the select's tokens and over stock's (random
