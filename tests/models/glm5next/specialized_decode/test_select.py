@@ -647,7 +647,8 @@ def test_sets_equal_stock_topk(stock_topk):
     rounded ones, ReLU plateaus of exact 0.0); where a tie straddles, the
     keys at stock's ids are the keys at ours; stock's ids are distinct
     columns below the end."""
-    gen = torch.Generator("cuda").manual_seed(fuzz_seed())
+    seed = fuzz_seed()
+    gen = torch.Generator("cuda").manual_seed(seed)
     counts, failures = Counter(), []
     for label, logits, values, ends, stock in _runs(("normal", "ties", "relu"), gen):
         counts["runs"] += 1
@@ -661,7 +662,7 @@ def test_sets_equal_stock_topk(stock_topk):
         if bad.numel():
             failures.append(f"{label}: rows {bad[:8].tolist()}")
     print("select vs stock top-k:", dict(counts))
-    report("select vs stock top-k, sets", counts["runs"], fuzz_seed(), failures)
+    report("select vs stock top-k, sets", counts["runs"], seed, failures)
 
 
 @pytest.mark.gpu
@@ -675,7 +676,8 @@ def test_nan_rows_against_stock_topk(stock_topk):
     set (its coarse bins may rank a -NaN at the top, while its order key,
     and ours, rank it lowest), of other keys, and with every id it has that
     ours has not a -NaN."""
-    gen = torch.Generator("cuda").manual_seed(fuzz_seed())
+    seed = fuzz_seed()
+    gen = torch.Generator("cuda").manual_seed(seed)
     counts, failures = Counter(), []
     for label, logits, values, ends, stock in _runs(("+nan", "-nan", "nan"), gen):
         counts["runs"] += 1
@@ -701,7 +703,7 @@ def test_nan_rows_against_stock_topk(stock_topk):
         if bad.any():
             failures.append(f"{label}: rows {bad.nonzero().view(-1)[:8].tolist()}")
     print("NaN rows vs stock top-k:", dict(counts))
-    report("select vs stock top-k, NaN rows", counts["runs"], fuzz_seed(), failures)
+    report("select vs stock top-k, NaN rows", counts["runs"], seed, failures)
 
 
 @pytest.mark.gpu
