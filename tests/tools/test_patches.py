@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The repo's patches follow CONTRIBUTING.md, "Adding a patch": each opens
 with a header (its concern, then why), every patch file is in the series, and
-the README's table of patches (whichever table lists them) matches it."""
+docs/reference.md's table of patches (whichever table lists them) matches it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from tools import patchset
 
 PDIR = patchset.REPO_ROOT / "patches"
-README = patchset.REPO_ROOT / "README.md"
+REFERENCE = patchset.REPO_ROOT / "docs" / "reference.md"
 PATCHES = patchset.Patchset.load().patches
 PLACEHOLDERS = ("# CONCERN.", "# WHY.")  # the recipe's header template
 
@@ -79,7 +79,7 @@ def test_patch_tables_find_the_names():
     assert patch_tables(text + "\n| other | table |\n") == [["0001-a", "0002-c"]]
 
 
-@pytest.mark.parametrize("doc", [README], ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", [REFERENCE], ids=lambda p: p.name)
 def test_the_table_of_patches_matches_the_series(doc: Path):
     tables = patch_tables(doc.read_text())
     assert tables, (

@@ -4,7 +4,7 @@
 for GLM-5-Next on SM90 and SM100 (its real ``CudaPlatform.get_valid_backends``
 for GLM-5-Next's dimensions: head size 512, 8 or 64 local heads), and every
 KV cache dtype it accepts, which pieces of the kpool stage run in a planned
-decode step. README.md shows the same table (``ENGAGEMENT``), and
+decode step. docs/reference.md shows the same table (``ENGAGEMENT``), and
 ``test_kpool_backends.py`` installs the stage on each path's impl class.
 
 The backend's impl class decides, through the stage's own rule
@@ -226,8 +226,20 @@ def test_engagement_matrix():
     assert {tuple(k): tuple(v) for k, v in rows} == ENGAGEMENT
 
 
-def test_readme_shows_the_matrix():
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
-    for (tp, arch, kv), (valid, runs) in ENGAGEMENT.items():
-        row = f"| {arch} | {tp} | `{kv}` | {valid.split(',')[0]} | {runs} |"
-        assert row in readme, row
+def test_reference_shows_the_matrix():
+    """docs/reference.md's engagement table (between its markers) has a row
+    for each entry of ``ENGAGEMENT`` and no other."""
+    begin, end = "<!-- engagement -->", "<!-- /engagement -->"
+    doc = Path(__file__).resolve().parents[3] / "docs" / "reference.md"
+    text = doc.read_text()
+    assert begin in text and end in text, f"{doc}: no {begin} ... {end} table"
+    table = text.split(begin, 1)[1].split(end, 1)[0].strip().splitlines()
+    assert table[:2] == [
+        "| GPU | TP | KV cache | backend | a planned decode step runs |",
+        "| --- | --- | --- | --- | --- |",
+    ], table[:2]
+    want = [
+        f"| {arch} | {tp} | `{kv}` | {valid.split(',')[0]} | {runs} |"
+        for (tp, arch, kv), (valid, runs) in ENGAGEMENT.items()
+    ]
+    assert sorted(table[2:]) == sorted(want)
