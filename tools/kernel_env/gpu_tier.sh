@@ -126,8 +126,7 @@ case ${1:-} in
       grep -E "^key|Duration|Warp Cycles Per Issued|Achieved Occupancy" "$log" || tail -3 "$log"
     done
     exit $status ;;
-  -*) die "unknown mode $1 (--help)" ;;
-  *)
+  *)  # anything else is pytest's (-k EXPR, --tb=short, ...); a wrong mode fails there
     setup
     # shellcheck disable=SC2086
     run_tests gpu_tier "" $TESTS -m "gpu and not stock_topk" "$@" ;;
