@@ -115,7 +115,7 @@ def spec_only(monkeypatch):
     for name in ("UPDATE", "EXPAND", "REMAP", "UPCAST", "SELECT"):
         kernel = getattr(kpool, name)
         module = sys.modules[type(kernel).__module__]
-        monkeypatch.setattr(module, "check_devices", lambda *args: None)
+        monkeypatch.setattr(module, "check_devices", lambda *args, **kwargs: None)
 
         def spec(kernel=kernel, name=name, **arguments):
             key, _, out = kernel.spec(**arguments)

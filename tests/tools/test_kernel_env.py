@@ -23,6 +23,7 @@ import importlib
 import inspect
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,7 +110,9 @@ def _resolve(qualname: str, stock_modules) -> object:
 
 
 def describe(obj) -> str:
-    """Source of a module, function, class or Triton kernel (its ``fn``);
+    """Source of a module, function, class or Triton kernel (its ``fn``),
+    from its ``def`` or ``class`` line (a decorator's wrapper reports its
+    source with or without the decorator line, as the DSL was loaded);
     else repr."""
     obj = getattr(obj, "fn", obj)
     if (
@@ -118,7 +121,7 @@ def describe(obj) -> str:
         or inspect.isclass(obj)
         or hasattr(obj, "__wrapped__")
     ):
-        return inspect.getsource(obj)
+        return re.sub(r"\A(?:[ \t]*@.*\n)+", "", inspect.getsource(obj))
     return repr(obj)
 
 
