@@ -496,7 +496,13 @@ def test_one_error_lists_every_requirement(gpu, make_config):
 
 @pytest.mark.parametrize(
     "seqs, spec, tokens, rows",
-    [(64, 3, 8192, 256), (64, None, 8192, 64), (64, 3, 128, 128), (8, 1, 8192, 16)],
+    [
+        (64, 3, 8192, 256),
+        (64, None, 8192, 64),
+        (64, 0, 8192, 64),
+        (64, 3, 128, 128),
+        (8, 1, 8192, 16),
+    ],
 )
 def test_decode_capacity(make_config, seqs, spec, tokens, rows):
     config = make_config(

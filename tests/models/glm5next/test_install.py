@@ -14,6 +14,7 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
 )
 from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 from vllm.models.glm5next.nvidia import sparse_indexer
+from vllm.models.glm5next.nvidia.specialized_decode.config import SELF_CHECK_SEED_ENV
 from vllm.models.glm5next.nvidia.specialized_decode.runtime import install
 from vllm.models.glm5next.nvidia.specialized_decode.runtime.remap import FusedRemap
 from vllm.models.glm5next.nvidia.specialized_decode.runtime.warmup import StageWarmup
@@ -268,13 +269,14 @@ def test_install_fuses_an_impl_without_dcp_world_size(installed, make_config):
     assert stage.fuse and stage.why_not_fused == [None, None]
 
 
-def test_install_warms_up_before_planning(installed, make_config):
+def test_install_warms_up_before_planning(installed, make_config, monkeypatch):
     """With a model runner's JIT warmup registry active at model build, the
-    stage registers one ``StageWarmup``; the registry's warmup (after the
-    KV caches are bound) compiles its keys and gives the stage their
-    executors."""
+    stage registers one ``StageWarmup`` with the deployment's self-check
+    mode and seed; the registry's warmup (after the KV caches are bound)
+    compiles its keys and gives the stage their executors."""
     config = make_config()
     config.additional_config["specialized_decode_self_check"] = "off"
+    monkeypatch.setenv(SELF_CHECK_SEED_ENV, "77")
     layers = attentions()
     registry = JitWarmupRegistry(config)
     with registry.activate():
@@ -282,7 +284,7 @@ def test_install_warms_up_before_planning(installed, make_config):
     assert len(registry) == 1 and not stage.executors
     [entry] = registry._registrations
     assert isinstance(entry, StageWarmup) and entry.stage is stage
-    assert entry.self_check == "off" and entry.seed is None
+    assert entry.self_check == "off" and entry.seed == 77
     registry.warmup()
     keys = StageWarmup(stage, layers).get_warmup_keys()
     assert set(stage.executors) == {key for _, key in keys}

@@ -337,6 +337,10 @@ def test_deferred_then_materialized(bench, options, capacity, routes):
         pytest.param(
             Step([1, 1], [1500, 2000], seed=34, **GLM), {}, EXPANDED, id="glm-short"
         ),
+        # The longest row exactly the top-k's 2048 tokens: stock's causal fill.
+        pytest.param(
+            Step([1, 1], [1500, 2047], seed=35, **GLM), {}, EXPANDED, id="glm-at-topk"
+        ),
         # Rows too wide for the stock conversion to compact them in order.
         pytest.param(
             Step([1, 1], [150, 180], seed=15, width=4224), {}, EXPANDED, id="width4224"
