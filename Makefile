@@ -5,12 +5,14 @@
 #                matches), the stock wheel in build/cache, then pytest
 #   make wheel   dist/vllm-<base>+glm5next.kpool<N>-<tags>.whl
 #   make lint    ruff check + ruff format --check (build/venv-lint: ruff only)
-#   make mutate  mutation testing of the kpool stage's host code (tools/mutate.py)
+#   make mutate  mutation testing of the stage's host code: mutmut 3.8.1 (put
+#                into .venv) on [tool.mutmut] of pyproject.toml; needs the
+#                .venv of make test; 1-2 h on 2 cores (docs/mutation.md)
 #   make clean   remove build/ and dist/ (make distclean: .venv too)
 #
 # Base vLLM: <base> (vllm_version in patches/base.json). Variables: PYTHON
 # (default python3), PYTEST_ARGS (e.g. -m 'not slow'), WHEEL_ARGS (e.g.
-# --wheel /path/to/vllm-<base>-...whl), MUTATE_ARGS.
+# --wheel /path/to/vllm-<base>-...whl), MUTATE_ARGS (mutant names or globs).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -25,15 +27,13 @@ $(error patches/base.json: no "vllm_version" found; expected a line like "vllm_v
 endif
 PIP_PIN := pip==26.3
 RUFF_PIN := ruff==0.17.6
-WHEEL_PIN := wheel==0.48.0
-PINS := vllm==$(BASE_VERSION) pytest==9.1.1 $(RUFF_PIN) $(WHEEL_PIN)
-WHEEL_VENV := build/venv-wheel
+PINS := vllm==$(BASE_VERSION) pytest==9.1.1 $(RUFF_PIN) wheel==0.48.0
 # ruff alone, so that `make lint` needs neither vLLM nor the main venv.
 LINT_VENV := build/venv-lint
 LINT_MARKER := $(LINT_VENV)/.pins-$(subst ==,-,$(RUFF_PIN))
 PYTEST_ARGS ?=
 WHEEL_ARGS ?=
-# The mutation tool, its runner and test selection included (make mutate only).
+# make mutate only: added to .venv, which has what the tests import.
 MUTATE_PINS := mutmut==3.8.1
 MUTATE_ARGS ?=
 
@@ -41,7 +41,7 @@ MUTATE_ARGS ?=
 .DEFAULT_GOAL := help
 
 help:
-	@sed -n '4,14p' Makefile | sed 's/^# \{0,1\}//; s/<base>/$(BASE_VERSION)/g'
+	@sed -n '4,16p' Makefile | sed 's/^# \{0,1\}//; s/<base>/$(BASE_VERSION)/g'
 
 venv:
 	@want="$(PIP_PIN) $(PINS) python=$$($(PYTHON) -c 'import sys; print(sys.version.split()[0])')"; \
@@ -68,12 +68,9 @@ test: venv fetch
 	if [ $$rc -eq 5 ]; then echo "== pytest ran no tests: failing"; exit 1; fi; \
 	exit $$rc
 
-$(WHEEL_VENV)/.ok: Makefile
-	@rm -rf $(WHEEL_VENV) && $(PYTHON) -m venv $(WHEEL_VENV)
-	@$(WHEEL_VENV)/bin/python -m pip install -q $(PIP_PIN) $(WHEEL_PIN) && touch $@
-
-wheel: $(WHEEL_VENV)/.ok
-	@start=$$SECONDS; $(WHEEL_VENV)/bin/python tools/build_wheel.py $(WHEEL_ARGS); \
+# tools/build_wheel.py needs the standard library only (and pip to fetch).
+wheel:
+	@start=$$SECONDS; $(PYTHON) tools/build_wheel.py $(WHEEL_ARGS); \
 	echo "== make wheel: $$((SECONDS - start)) s"
 
 $(LINT_MARKER):
@@ -85,11 +82,12 @@ lint: $(LINT_MARKER)
 	$(LINT_VENV)/bin/ruff check .
 	$(LINT_VENV)/bin/ruff format --check .
 
-# Not part of `make test` (.ci/run): about half an hour on 2 cores.
+# Not part of `make test` (.ci/run). mutmut resumes from mutants/ (delete it
+# for a fresh run); the forks use one thread each (2 workers on 2 cores).
 mutate: venv
 	@$(VPY) -m pip install -q $(MUTATE_PINS)
 	@start=$$SECONDS; rc=0; \
-	$(VPY) tools/mutate.py $(MUTATE_ARGS) || rc=$$?; \
+	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run $(MUTATE_ARGS) || rc=$$?; \
 	echo "== make mutate: $$((SECONDS - start)) s, exit $$rc"; \
 	exit $$rc
 

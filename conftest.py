@@ -40,9 +40,17 @@ def _setup_vllm() -> str:
     if stock is None:
         return "vllm overlay: none (vllm is not installed)"
     if "vllm" in sys.modules:
-        raise RuntimeError(
-            f"vllm was imported before conftest.py: {sys.modules['vllm']}"
-        )
+        # A later pytest.main in this process (mutmut runs several, and forks
+        # after them) imports this file again: the vllm imported is then the
+        # overlay this file built and exported the first time. It stays; a
+        # new build could differ (mutmut writes files next to the mutants).
+        built = Path(os.environ.get("KPOOL_VLLM_OVERLAY", "/nonexistent"))
+        imported = Path(sys.modules["vllm"].__file__ or "").resolve()
+        if imported.parent != (built / "vllm").resolve():
+            raise RuntimeError(
+                f"vllm was imported before conftest.py: {sys.modules['vllm']}"
+            )
+        return f"vllm overlay: {built} (imported by an earlier run here)"
     built = overlay.build_overlay(stock, log=lambda m: print(m, file=sys.stderr))
     sys.path.insert(0, str(built))
     os.environ["PYTHONPATH"] = os.pathsep.join(
