@@ -67,6 +67,11 @@ def test_planned_decode_steps(steps, mode):
     assert not steps.covers(context(attn, mode))
 
 
+def test_one_decode_token_is_planned(steps):
+    """Batch 1 without speculation: one decode token is a planned step."""
+    assert steps.covers(context({"a": metadata(decode_tokens=1)}))
+
+
 @pytest.mark.parametrize(
     "unknown",
     [
@@ -100,6 +105,7 @@ def test_ignored_layers(steps):
         pytest.param({"mtp": metadata()}, False, id="another-model"),
         pytest.param({"a": metadata()}, True, id="dummy"),
         pytest.param({"a": metadata(), "b": metadata(prefills=1)}, False, id="mixed"),
+        pytest.param({"b": metadata(prefills=1), "a": metadata()}, False, id="mixed2"),
         pytest.param({"a": metadata(prefills=2, decode_tokens=0)}, False, id="prefill"),
         pytest.param({"a": metadata(decode_tokens=9)}, False, id="above-rows"),
         pytest.param({"a": metadata(decode_tokens=0)}, False, id="no-decodes"),
