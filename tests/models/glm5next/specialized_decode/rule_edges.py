@@ -162,7 +162,7 @@ def landmarks(kernel, a: dict) -> list[int]:
 
 # Int scalars' further edges: the select's largest k, the remap's block
 # sizes (the pool, the largest int32 multiple of 4).
-SCALARS = {"k": [select.MAX_K], "block_size": [4, INT32_MAX - 3]}
+SCALARS = {"k": [1, select.MAX_K], "block_size": [4, INT32_MAX - 3]}
 
 
 # An edge's answer that the test's own statement of the rule gives.
