@@ -7,7 +7,7 @@
 #   make lint    ruff check + ruff format --check (build/venv-lint: ruff only)
 #   make mutate  mutation testing of the stage's host code: mutmut 3.8.1 (put
 #                into .venv) on [tool.mutmut] of pyproject.toml; needs the
-#                .venv of make test; 1-2 h on 2 cores (docs/mutation.md)
+#                .venv of make test; hours on 2 cores (docs/mutation.md)
 #   make clean   remove build/ and dist/ (make distclean: .venv too)
 #
 # Base vLLM: <base> (vllm_version in patches/base.json). Variables: PYTHON
