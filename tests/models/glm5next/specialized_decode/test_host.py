@@ -16,6 +16,7 @@ that compiled nothing yet; the executors are recorders. GPU: a real
 capture refuses to compile; after a warmup the stage compiles nothing."""
 
 import dataclasses
+import random
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +26,7 @@ import torch
 from rule_edges import KEYS, allow_cpu, answer, edges, like, on_cuda, valid
 
 from vllm.model_executor.warmup import jit_warmup_cutedsl_helper
-from vllm.models.glm5next.nvidia.specialized_decode import kpool
+from vllm.models.glm5next.nvidia.specialized_decode import cases, kpool
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common import host
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand.launch import (
     EXPAND,
@@ -316,6 +317,67 @@ def test_public_function_raises_the_refusal(compiles, kernel):
             continue
         if message is not None:
             problems.append(f"{edge.name}: not refused, rule: {message}")
+    assert problems == []
+
+
+def fake_differs(fake, real) -> str | None:
+    """How a warmup fake (``make_fake_tensor``, or an ``Int32`` scalar) does
+    not describe ``real``, the argument ``spec`` derived: its element type,
+    rank, a static size or stride, a dynamic one's divisibility, its stated
+    alignment."""
+    if not isinstance(real, torch.Tensor):
+        ok = type(fake).__name__ == "Int32" and isinstance(real, int)
+        return None if ok else f"{type(fake).__name__} for {real!r}"
+    names = str(fake.element_type).lower(), str(real.dtype).split(".")[1]
+    if names[0] != names[1].replace("_", ""):
+        return f"element {names[0]} for {names[1]}"
+    if len(fake.shape) != real.dim():
+        return f"rank {len(fake.shape)} for {real.dim()}"
+    align = fake._assumed_align
+    if not isinstance(align, int) or real.data_ptr() % align:
+        return f"alignment {align} for address {real.data_ptr():#x}"
+    pairs = [("size", fake.shape, real.shape), ("stride", fake.stride, real.stride())]
+    for what, fakes, reals in pairs:
+        for dim, (f, r) in enumerate(zip(fakes, reals, strict=True)):
+            static = isinstance(f, int)
+            if (f != r) if static else (r % f.divisibility):
+                return f"{what} {f} for {r} in dimension {dim}"
+    return None
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=IDS)
+def test_warmup_fakes_describe_the_arguments(kernel):
+    """The fakes a key compiles on (``warmup_inputs``) describe the arguments
+    ``spec`` derives for that key from drawn cases: an executor compiled at
+    warmup takes what the rule takes. (On the GPU TVM-FFI refuses arguments
+    that do not fit; the CPU cannot launch, so this is where it shows.)"""
+    draw = cases.CASES[kernel]
+    problems = []
+    for seed in range(4):
+        rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        if kernel is SELECT:
+            shape = rng.choice([(1, 1000), (3, 4096), (2, 65536)])
+            dtype = rng.choice([torch.float32, torch.bfloat16])
+            key = SELECT.dispatch(
+                k=64, dtype=dtype, rows=shape[0], width=shape[1], sms=8
+            )
+            case = draw(rng, gen, key, sms=8)
+        else:
+            case = draw(rng, gen)
+        with allow_cpu():
+            key, args, _ = kernel.spec(**case.arguments)
+        if args is None:  # no rows: nothing to launch
+            continue
+        fakes = kernel.warmup_inputs(key)
+        if len(fakes) != len(args):
+            problems.append(f"seed {seed}: {len(fakes)} fakes for {len(args)}")
+            continue
+        for i, (fake, real) in enumerate(zip(fakes, args, strict=True)):
+            if fake is None and real is None:
+                continue
+            problem = None if fake is None else fake_differs(fake, real)
+            if fake is None or problem:
+                problems.append(f"seed {seed} ({case.about}), argument {i}: {problem}")
     assert problems == []
 
 
