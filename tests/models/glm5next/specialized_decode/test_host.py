@@ -320,6 +320,24 @@ def test_public_function_raises_the_refusal(compiles, kernel):
     assert problems == []
 
 
+def test_defaults_are_stocks():
+    """A default of a public function (and of the launch under it) is the
+    default of the stock function it mirrors: a caller that leaves it out
+    gets stock's behaviour."""
+    import inspect
+
+    from vllm.models.glm5next.nvidia.ops import kpool_compress
+
+    def default(function, name):
+        return inspect.signature(function).parameters[name].default
+
+    update = kpool_compress.kpool_decode_update_and_maybe_write_cache_batched
+    expand = kpool_compress.expand_pools_and_append_tail
+    assert default(kpool.kpool_update, "round_scale") == default(update, "round_scale")
+    for ours in (kpool.expand_pools, EXPAND.spec):
+        assert default(ours, "seq_offset") == default(expand, "seq_offset"), ours
+
+
 def fake_differs(fake, real) -> str | None:
     """How a warmup fake (``make_fake_tensor``, or an ``Int32`` scalar) does
     not describe ``real``, the argument ``spec`` derived: its element type,
