@@ -165,6 +165,18 @@ def fake_gpu(monkeypatch):
 
 
 @pytest.fixture
+def gpu(fake_gpu, monkeypatch):
+    """An SM90 GPU unless the test picks another (``gpu(capability)``); no
+    self-check setting in the environment."""
+    from vllm.models.glm5next.nvidia.specialized_decode import config
+
+    monkeypatch.delenv(config.SELF_CHECK_ENV, raising=False)
+    monkeypatch.delenv(config.SELF_CHECK_SEED_ENV, raising=False)
+    fake_gpu(90)
+    return fake_gpu
+
+
+@pytest.fixture
 def vllm_log(caplog, monkeypatch):
     """``caplog`` with the records of vLLM's loggers (``vllm`` stops their
     propagation once vLLM configures its logging)."""

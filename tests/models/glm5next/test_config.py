@@ -33,16 +33,6 @@ VALID_KEYS = (
 GPU = "an NVIDIA SM90 (Hopper) or SM100-family (Blackwell) GPU"
 
 
-@pytest.fixture
-def gpu(fake_gpu, monkeypatch):
-    """An SM90 GPU unless the test picks another; no setting in the
-    environment."""
-    monkeypatch.delenv(CHECK_ENV, raising=False)
-    monkeypatch.delenv(SEED_ENV, raising=False)
-    fake_gpu(90)
-    return fake_gpu
-
-
 def read(make_config, extra, **overrides):
     return sd.specialized_decode_config(
         make_config(additional_config=extra, **overrides)

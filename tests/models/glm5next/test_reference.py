@@ -69,16 +69,6 @@ def logged(vllm_log, module) -> list[str]:
     return [r.getMessage() for r in vllm_log.records if r.name == module.__name__]
 
 
-@pytest.fixture
-def gpu(fake_gpu, monkeypatch):
-    """An SM90 GPU unless the example picks another; no setting in the
-    environment."""
-    monkeypatch.delenv(CHECK_ENV, raising=False)
-    monkeypatch.delenv(SEED_ENV, raising=False)
-    fake_gpu(90)
-    return fake_gpu
-
-
 def settings(make_config, monkeypatch, extra, environ=None, **overrides):
     """``specialized_decode_config`` of ``extra`` and ``environ``."""
     for name, value in (environ or {}).items():
@@ -161,17 +151,9 @@ def self_check_failed(vllm_log, **_) -> list[str]:
     helpers = str(HERE / "specialized_decode")
     if helpers not in sys.path:
         sys.path.insert(0, helpers)
-    from rule_edges import allow_cpu
+    from rule_edges import KEYS, allow_cpu
 
-    key = REMAP.dispatch(
-        groups=512,
-        width=2176,
-        block_size=64,
-        stride_rows=64,
-        positions_dtype=torch.int64,
-        int32_lengths=True,
-        counts=True,
-    )
+    key = REMAP.dispatch(**KEYS[REMAP])
     stage = SimpleNamespace(pool_buffer=torch.empty(0))
     with allow_cpu():
         assert not StageWarmup(stage, [], "on", seed=7).check({key: lambda *a: None})
