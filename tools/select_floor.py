@@ -1,0 +1,228 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The select's latency floor on this GPU: a kernel with the select's
+launch (clusters, PDL, shared memory), its one read of each row into shared
+memory with the first digit's count, one cluster barrier and the write of
+``k`` columns, and nothing else, timed graph-replayed beside the select at
+the same sizes. Prints one line a size: floor µs, select µs."""
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.bench import load_kernels  # noqa: E402
+
+load_kernels(None)  # the kernel-only shim or the patched overlay
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Int32, Int64, Uint32  # noqa: E402
+
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import (  # noqa: E402
+    kernel as select_kernel,
+)
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (  # noqa: E402
+    SELECT,
+    SelectKernel,
+    sm_count,
+)
+
+
+class FloorTopk(select_kernel.SelectTopk):
+    """The select's load and first count, one cluster barrier, ``k``
+    columns written by CTA 0: what any one-read design pays."""
+
+    @cute.kernel
+    def kernel(self, logits: cute.Tensor, ends: cute.Tensor, out: cute.Tensor):
+        block, _, _ = cute.arch.block_idx()
+        tid, _, _ = cute.arch.thread_idx()
+        row = block // self.cluster
+        rank = cute.arch.block_idx_in_cluster()
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(select_kernel.BINS), 16)
+        keys = smem.allocate_tensor(Uint32, cute.make_layout(self.capacity), 16)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        end = cutlass.min(cutlass.max(Int32(ends[row]), Int32(0)), logits.shape[1])
+        span = (end + self.cluster - 1) // self.cluster
+        span = (span + self.vector - 1) // self.vector * self.vector
+        start = rank * span
+        n = cutlass.min(cutlass.max(end - start, Int32(0)), span)
+        base = logits.iterator + Int64(row) * logits.stride[0] + start
+        for b in cutlass.range_constexpr(select_kernel.BINS // select_kernel.THREADS):
+            hist[b * select_kernel.THREADS + tid] = Int32(0)
+        cute.arch.barrier()
+        self.load_slice(base, n, tid, Int32(keys.iterator.toint()), hist)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if rank == 0:
+            for i in cutlass.range(tid, self.k, select_kernel.THREADS, unroll=1):
+                out[row, i] = hist[i % select_kernel.BINS] + i
+        cute.arch.barrier()
+
+
+class FloorKernel(SelectKernel):
+    kernel = FloorTopk
+
+
+class PhasesTopk(select_kernel.SelectTopk):
+    """The select with CTA 0's clock at each phase's end, written over row
+    ``r``'s output: cycles after the start of the load, the merge, the push,
+    the second cluster barrier, the refine and the write; then the
+    candidates' count and this CTA's keys in the bin (rows past ``k``)."""
+
+    @cute.kernel
+    def kernel(self, logits: cute.Tensor, ends: cute.Tensor, out: cute.Tensor):
+        block, _, _ = cute.arch.block_idx()
+        tid, _, _ = cute.arch.thread_idx()
+        row = block // self.cluster
+        rank = cute.arch.block_idx_in_cluster()
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(select_kernel.BINS), 16)
+        local = smem.allocate_tensor(Int32, cute.make_layout(select_kernel.BINS), 16)
+        totals = smem.allocate_tensor(Int32, cute.make_layout(128), 16)
+        found = smem.allocate_tensor(Int32, cute.make_layout(12), 16)
+        above_cols = smem.allocate_tensor(Int32, cute.make_layout(self.k), 16)
+        taken_cols = smem.allocate_tensor(Int32, cute.make_layout(self.k), 16)
+        cand_keys = smem.allocate_tensor(Uint32, cute.make_layout(self.slots), 16)
+        cand_cols = smem.allocate_tensor(Int32, cute.make_layout(self.slots), 16)
+        keys = smem.allocate_tensor(Uint32, cute.make_layout(self.capacity), 16)
+        keys_at = Int32(keys.iterator.toint())
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        t0 = cute.arch.clock64()
+        end = cutlass.min(cutlass.max(Int32(ends[row]), Int32(0)), logits.shape[1])
+        vector = self.vector
+        span = (end + self.cluster - 1) // self.cluster
+        span = (span + vector - 1) // vector * vector
+        start = rank * span
+        n = cutlass.min(cutlass.max(end - start, Int32(0)), span)
+        base = logits.iterator + Int64(row) * logits.stride[0] + start
+        for b in cutlass.range_constexpr(select_kernel.BINS // select_kernel.THREADS):
+            hist[b * select_kernel.THREADS + tid] = Int32(0)
+            local[b * select_kernel.THREADS + tid] = Int32(0)
+        cute.arch.barrier()
+        self.load_slice(base, n, tid, keys_at, hist)
+        t1 = cute.arch.clock64()
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        t2 = cute.arch.clock64()
+        self.merge(tid, rank, Int32(hist.iterator.toint()), totals, found)
+        t3 = cute.arch.clock64()
+        self.push(
+            start,
+            n,
+            tid,
+            keys_at,
+            local,
+            totals,
+            found,
+            above_cols,
+            cand_keys,
+            cand_cols,
+        )
+        t4 = cute.arch.clock64()
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        t5 = cute.arch.clock64()
+        if rank == 0:
+            threshold, keep = self.refine(
+                Int32(cand_keys.iterator.toint()),
+                found[5],
+                self.k - found[1],
+                tid,
+                local,
+                found,
+            )
+            t6 = cute.arch.clock64()
+            self.write(
+                tid,
+                row,
+                out,
+                threshold,
+                keep,
+                totals,
+                found,
+                above_cols,
+                taken_cols,
+                cand_keys,
+                cand_cols,
+            )
+            cute.arch.barrier()
+            t7 = cute.arch.clock64()
+            if tid == 0:
+                for i, t in enumerate((t1, t2, t3, t4, t5, t6, t7)):
+                    out[row, i] = Int32(t - t0)
+                out[row, 7] = found[5]
+                out[row, 8] = found[4]
+
+
+class PhasesKernel(SelectKernel):
+    kernel = PhasesTopk
+
+
+PHASES = ("load", "barrier 1", "merge", "push", "barrier 2", "refine", "write")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,8,64")
+    p.add_argument("--widths", default="16384,65536,262144")
+    p.add_argument("--k", type=int, default=512)
+    args = p.parse_args()
+    from triton.testing import do_bench_cudagraph
+
+    floor = FloorKernel()
+    sms = sm_count(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for width in map(int, args.widths.split(",")):
+            for rows in map(int, args.rows.split(",")):
+                x = torch.randn(rows, width, device="cuda").to(dtype)
+                e = torch.full((rows,), width, dtype=torch.int32, device="cuda")
+                out = torch.empty(rows, args.k, dtype=torch.int32, device="cuda")
+                key = SELECT.dispatch(
+                    k=args.k, dtype=dtype, rows=rows, width=width, sms=sms
+                )
+                given = dict(logits=x, ends=e, k=args.k, out=out)
+                fns = [functools.partial(f, **given) for f in (floor, SELECT)]
+                for fn in fns:
+                    fn()
+                torch.cuda.synchronize()
+                us = [do_bench_cudagraph(fn, rep=5) * 1e3 for fn in fns]
+                print(
+                    f"{str(dtype)[6:]:9} {rows:4} x {width:6} cluster {key.cluster:2}"
+                    f" floor {us[0]:6.2f} us  select {us[1]:6.2f} us"
+                )
+    phases = PhasesKernel()
+    for dtype in (torch.float32,):
+        for width in (16384, 65536, 262144):
+            for rows in (1, 8, 64):
+                for kind in ("full", "short", "relu0"):
+                    x = torch.randn(rows, width, device="cuda").to(dtype)
+                    if kind == "relu0":
+                        x.zero_()
+                    end = width if kind != "short" else 4000
+                    e = torch.full((rows,), end, dtype=torch.int32, device="cuda")
+                    out = torch.zeros(rows, args.k, dtype=torch.int32, device="cuda")
+                    for _ in range(2):
+                        phases(logits=x, ends=e, k=args.k, out=out)
+                        torch.cuda.synchronize()
+                    got = out[0, :9].tolist()
+                    steps = [b - a for a, b in zip([0, *got[:6]], got[:7], strict=True)]
+                    said = " ".join(
+                        f"{p} {c}" for p, c in zip(PHASES, steps, strict=True)
+                    )
+                    print(
+                        f"{rows:3} x {width:6} {kind:5} cycles: {said}; "
+                        f"candidates {got[7]}, CTA 0's in the bin {got[8]}"
+                    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
