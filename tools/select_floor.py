@@ -54,8 +54,8 @@ class FloorTopk(select_kernel.SelectTopk):
         start = rank * span
         n = cutlass.min(cutlass.max(end - start, Int32(0)), span)
         base = logits.iterator + Int64(row) * logits.stride[0] + start
-        for b in cutlass.range_constexpr(select_kernel.BINS // select_kernel.THREADS):
-            hist[b * select_kernel.THREADS + tid] = Int32(0)
+        if tid < select_kernel.BINS:
+            hist[tid] = Int32(0)
         cute.arch.barrier()
         self.load_slice(base, n, tid, Int32(keys.iterator.toint()), hist)
         cute.arch.cluster_arrive()
@@ -68,105 +68,6 @@ class FloorTopk(select_kernel.SelectTopk):
 
 class FloorKernel(SelectKernel):
     kernel = FloorTopk
-
-
-class PhasesTopk(select_kernel.SelectTopk):
-    """The select with CTA 0's clock at each phase's end, written over row
-    ``r``'s output: cycles after the start of the load, the merge, the push,
-    the second cluster barrier, the refine and the write; then the
-    candidates' count and this CTA's keys in the bin (rows past ``k``)."""
-
-    @cute.kernel
-    def kernel(self, logits: cute.Tensor, ends: cute.Tensor, out: cute.Tensor):
-        block, _, _ = cute.arch.block_idx()
-        tid, _, _ = cute.arch.thread_idx()
-        row = block // self.cluster
-        rank = cute.arch.block_idx_in_cluster()
-        smem = cutlass.memory.SmemAllocator()
-        hist = smem.allocate_tensor(Int32, cute.make_layout(select_kernel.BINS), 16)
-        local = smem.allocate_tensor(Int32, cute.make_layout(select_kernel.BINS), 16)
-        totals = smem.allocate_tensor(Int32, cute.make_layout(128), 16)
-        found = smem.allocate_tensor(Int32, cute.make_layout(12), 16)
-        above_cols = smem.allocate_tensor(Int32, cute.make_layout(self.k), 16)
-        taken_cols = smem.allocate_tensor(Int32, cute.make_layout(self.k), 16)
-        cand_keys = smem.allocate_tensor(Uint32, cute.make_layout(self.slots), 16)
-        cand_cols = smem.allocate_tensor(Int32, cute.make_layout(self.slots), 16)
-        keys = smem.allocate_tensor(Uint32, cute.make_layout(self.capacity), 16)
-        keys_at = Int32(keys.iterator.toint())
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
-        t0 = cute.arch.clock64()
-        end = cutlass.min(cutlass.max(Int32(ends[row]), Int32(0)), logits.shape[1])
-        vector = self.vector
-        span = (end + self.cluster - 1) // self.cluster
-        span = (span + vector - 1) // vector * vector
-        start = rank * span
-        n = cutlass.min(cutlass.max(end - start, Int32(0)), span)
-        base = logits.iterator + Int64(row) * logits.stride[0] + start
-        for b in cutlass.range_constexpr(select_kernel.BINS // select_kernel.THREADS):
-            hist[b * select_kernel.THREADS + tid] = Int32(0)
-            local[b * select_kernel.THREADS + tid] = Int32(0)
-        cute.arch.barrier()
-        self.load_slice(base, n, tid, keys_at, hist)
-        t1 = cute.arch.clock64()
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        t2 = cute.arch.clock64()
-        self.merge(tid, rank, Int32(hist.iterator.toint()), totals, found)
-        t3 = cute.arch.clock64()
-        self.push(
-            start,
-            n,
-            tid,
-            keys_at,
-            local,
-            totals,
-            found,
-            above_cols,
-            cand_keys,
-            cand_cols,
-        )
-        t4 = cute.arch.clock64()
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        t5 = cute.arch.clock64()
-        if rank == 0:
-            threshold, keep = self.refine(
-                Int32(cand_keys.iterator.toint()),
-                found[5],
-                self.k - found[1],
-                tid,
-                local,
-                found,
-            )
-            t6 = cute.arch.clock64()
-            self.write(
-                tid,
-                row,
-                out,
-                threshold,
-                keep,
-                totals,
-                found,
-                above_cols,
-                taken_cols,
-                cand_keys,
-                cand_cols,
-            )
-            cute.arch.barrier()
-            t7 = cute.arch.clock64()
-            if tid == 0:
-                for i, t in enumerate((t1, t2, t3, t4, t5, t6, t7)):
-                    out[row, i] = Int32(t - t0)
-                out[row, 7] = found[5]
-                out[row, 8] = found[4]
-
-
-class PhasesKernel(SelectKernel):
-    kernel = PhasesTopk
-
-
-PHASES = ("load", "barrier 1", "merge", "push", "barrier 2", "refine", "write")
 
 
 def main() -> int:
@@ -198,29 +99,6 @@ def main() -> int:
                     f"{str(dtype)[6:]:9} {rows:4} x {width:6} cluster {key.cluster:2}"
                     f" floor {us[0]:6.2f} us  select {us[1]:6.2f} us"
                 )
-    phases = PhasesKernel()
-    for dtype in (torch.float32,):
-        for width in (16384, 65536, 262144):
-            for rows in (1, 8, 64):
-                for kind in ("full", "short", "relu0"):
-                    x = torch.randn(rows, width, device="cuda").to(dtype)
-                    if kind == "relu0":
-                        x.zero_()
-                    end = width if kind != "short" else 4000
-                    e = torch.full((rows,), end, dtype=torch.int32, device="cuda")
-                    out = torch.zeros(rows, args.k, dtype=torch.int32, device="cuda")
-                    for _ in range(2):
-                        phases(logits=x, ends=e, k=args.k, out=out)
-                        torch.cuda.synchronize()
-                    got = out[0, :9].tolist()
-                    steps = [b - a for a, b in zip([0, *got[:6]], got[:7], strict=True)]
-                    said = " ".join(
-                        f"{p} {c}" for p, c in zip(PHASES, steps, strict=True)
-                    )
-                    print(
-                        f"{rows:3} x {width:6} {kind:5} cycles: {said}; "
-                        f"candidates {got[7]}, CTA 0's in the bin {got[8]}"
-                    )
     return 0
 
 

@@ -156,7 +156,7 @@ def landmarks(kernel, a: dict) -> list[int]:
     if kernel is upcast.UPCAST:
         return [a["logits"].shape[0]]
     if kernel is select.SELECT:
-        return [a["logits"].shape[0], a["k"], select.widest(a["k"])]
+        return [a["logits"].shape[0], a["k"], cases.SELECT_WIDEST]
     return []
 
 

@@ -56,7 +56,7 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import
 
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 K = 512  # GLM-5-Next's index_topk 2048 / index_kpool 4
-WIDEST = 16 * 32768  # for k = 512: 16 CTAs of 32768 keys
+WIDEST = 16 * 53248
 
 # --- The contract -------------------------------------------------------------------
 
@@ -294,14 +294,14 @@ def test_cluster_for_rows_and_width():
         (1, WIDEST): 16,
     }
     for (rows, width), cluster in choices.items():
-        assert cluster_for(rows, width, F32, K, SMS) == cluster, (rows, width)
-    assert cluster_for(1, WIDEST + 4, F32, K, SMS) is None
+        assert cluster_for(rows, width, F32, SMS) == cluster, (rows, width)
+    assert cluster_for(1, WIDEST + 4, F32, SMS) is None
     # 2 CTAs of 128 KiB a row (1 an SM) at 65536 pools: 66 rows a wave; 8 at
     # 262144 pools: 16 rows.
-    assert one_wave(64, 65536, F32, K, SMS) and not one_wave(67, 65536, F32, K, SMS)
-    assert one_wave(16, 262144, BF16, K, SMS) and not one_wave(17, 262144, BF16, K, SMS)
-    assert one_wave(256, 4096, F32, K, SMS)  # 16 KiB CTAs, 2 an SM
-    assert not one_wave(1, WIDEST + 4, F32, K, SMS)
+    assert one_wave(64, 65536, F32, SMS) and not one_wave(67, 65536, F32, SMS)
+    assert one_wave(16, 262144, BF16, SMS) and not one_wave(17, 262144, BF16, SMS)
+    assert one_wave(256, 4096, F32, SMS)  # 16 KiB CTAs, 2 an SM
+    assert not one_wave(1, WIDEST + 4, F32, SMS)
 
 
 def test_key_follows_the_devices_sm_count():
@@ -346,7 +346,7 @@ def test_warmup_keys_are_what_spec_derives():
             derived = {}
             with allow_cpu():
                 for rows in range(1, 65):
-                    if one_wave(rows, width, dtype, K, SMS):
+                    if one_wave(rows, width, dtype, SMS):
                         logits = torch.zeros(1, width, dtype=dtype).expand(rows, -1)
                         ends = torch.zeros(rows, dtype=I32)
                         derived[SELECT.spec(logits=logits, ends=ends, k=K)[0]] = None
@@ -405,9 +405,12 @@ def test_select_ptx(arch, cluster, capacity, dtype):
     assert "red.shared.add" in text or "atom.shared.add" in text
     assert "st.shared.v4.b32" in text and "ld.shared.v4.b32" in text
     assert "mapa.shared::cluster.u32" in text
-    assert text.count("barrier.cluster.arrive") == 2
-    assert text.count("barrier.cluster.wait") == 2
-    assert "st.shared::cluster.u32" in text and "ld.shared::cluster.v2.u32" in text
+    passes = 4 if dtype == F32 else 2
+    # One barrier a pass; the exit's wait, and its arrive after the last
+    # pass or (FP32) after each earlier one whose bin is taken whole.
+    exits = passes - 1 if dtype == F32 else 0
+    assert text.count("barrier.cluster.arrive") == passes + 1 + exits
+    assert text.count("barrier.cluster.wait") == passes + 1
     if dtype == BF16:
         assert "ld.global.nc.b16" in text
 
@@ -498,6 +501,49 @@ def test_select_edges(dtype, width):
         logits.copy_(value.view(rows, width))
         got = SELECT(logits=logits, ends=ends, k=K)
         assert torch.equal(got, contract_topk(logits, ends, K)), name
+
+
+def whole_bin_rows(dtype, width: int, gen: torch.Generator) -> torch.Tensor:
+    """One row a radix pass ``p``: its ``K`` largest keys share their first
+    ``8 (p + 1)`` bits, which no other key has, and the others share the
+    first ``8 p`` bits with them: pass ``p`` is the first whose bin the set
+    takes whole (the last pass's bin: ``K`` equal keys). Keys become the
+    values of their bits (positive: the key minus the sign bit), in random
+    columns."""
+    bits = 32 if dtype == F32 else 16
+    base = 0xC1525354 >> (32 - bits)  # a positive value's key, about 3.3
+    rows = []
+    for p in range(bits // 8):
+        low = bits - 8 * (p + 1)  # the bits below pass p's digit
+        prefix = base >> low
+        lows = torch.randint(0, 1 << low, (width,), generator=gen)
+        keys = (
+            torch.where(torch.arange(width) < K, prefix << low, (prefix - 1) << low)
+            | lows
+        )
+        rows.append(keys[torch.randperm(width, generator=gen)] - (1 << (bits - 1)))
+    values = torch.stack(rows)
+    if dtype == F32:
+        return values.to(torch.int32).view(F32)
+    return values.to(torch.int16).view(BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [K + 1, 65536, 262144])
+def test_select_whole_bins(dtype, width):
+    """Rows whose set is taken whole at each radix pass (FP32: the passes
+    after it skipped), at each cluster size's widths, in 16-byte aligned
+    rows: the contract's columns."""
+    gen = torch.Generator().manual_seed(width)
+    values = whole_bin_rows(dtype, width, gen)
+    stride = -(-width // 8) * 8
+    logits = torch.zeros(values.shape[0], stride, dtype=dtype, device="cuda")
+    logits = logits[:, :width]
+    logits.copy_(values)
+    ends = torch.full((logits.shape[0],), width, dtype=I32, device="cuda")
+    got = SELECT(logits=logits, ends=ends, k=K)
+    assert torch.equal(got, contract_topk(logits, ends, K))
 
 
 def sparse_attention(q, kv, index, scale):

@@ -28,7 +28,7 @@ from .constants import DIM, INT32_MAX, POOL
 from .cutedsl.expand.launch import EXPAND
 from .cutedsl.remap.launch import REMAP
 from .cutedsl.select.kernel import CAPACITIES, VECTOR
-from .cutedsl.select.launch import SELECT, cluster_for, slice_capacity, widest
+from .cutedsl.select.launch import CLUSTERS, SELECT, cluster_for, slice_capacity
 from .cutedsl.upcast.kernel import GROUP_ROWS, TILE
 from .cutedsl.upcast.launch import UPCAST
 from .cutedsl.update.launch import UPDATE
@@ -417,8 +417,9 @@ def upcast_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
 # --- select_topk ----------------------------------------------------------------
 
 # The cluster choice's edges (1 CTA below 16384 columns, 16 from 131072 at
-# few rows), odd widths; the widest the kernel takes for the drawn k.
+# few rows), odd widths, the widest the kernel takes.
 SELECT_WIDTHS = (1, 7, 511, 512, 513, 4096, 5000, 16384, 65536, 131080, 262144)
+SELECT_WIDEST = CLUSTERS[-1] * CAPACITIES[-1]
 SELECT_ROWS = (1, 2, 3, 4, 8, 16, 33, 64, 256)
 
 
@@ -458,7 +459,7 @@ def select_shapes(key, sms: int) -> list[tuple[int, int]]:
         width = span * key.cluster
         for rows in range(1, 257):
             if (
-                cluster_for(rows, width, key.dtype, key.k, sms) == key.cluster
+                cluster_for(rows, width, key.dtype, sms) == key.cluster
                 and slice_capacity(width, key.dtype, key.cluster) == key.capacity
             ):
                 shapes.append((rows, width))
@@ -469,12 +470,11 @@ def select_shapes(key, sms: int) -> list[tuple[int, int]]:
 def _select_draw(rng: random.Random, sms: int):
     """(key, rows, width) of a drawn k (GLM-5-Next's 512 mostly), dtype and
     shape (at most 2^23 logits: the reference sorts them)."""
-    k = rng.choice([512, 512, 512, 1, 2048])
-    width = rng.choice([*SELECT_WIDTHS, widest(k), rng.randint(1, 70_000)])
-    width = min(width, widest(k))
+    width = rng.choice([*SELECT_WIDTHS, SELECT_WIDEST, rng.randint(1, 70_000)])
     rows = rng.choice([*SELECT_ROWS, rng.randint(1, 256)])
     rows = max(1, min(rows, (1 << 23) // width))
     dtype = rng.choice([torch.float32, torch.bfloat16])
+    k = rng.choice([512, 512, 512, 1, 2048])
     key = SELECT.dispatch(k=k, dtype=dtype, rows=rows, width=width, sms=sms)
     return key, rows, width
 
@@ -515,7 +515,7 @@ def select_case(
     rng: random.Random, gen: torch.Generator, key=None, *, sms: int = 132
 ) -> Case:
     """Logits of ``key``'s shapes on ``sms`` SMs (drawn if None: widths 1
-    to the widest for k, 1-256 rows) in padded rows whose padding (+NaN, the largest
+    to 851,968, 1-256 rows) in padded rows whose padding (+NaN, the largest
     key) must never count; row ends at 0, 1, k-1, k, k+1, the width and
     past it, negative, anywhere; ``out`` a column slice of a wider buffer."""
     if key is None:

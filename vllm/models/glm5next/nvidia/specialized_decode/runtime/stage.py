@@ -125,7 +125,7 @@ class LayerStep:
         return (
             stage.select
             and self.deferring
-            and one_wave(*logits.shape, logits.dtype, k, stage.sms)
+            and one_wave(logits.shape[0], logits.shape[1], logits.dtype, stage.sms)
             and stage.launch(SELECT, logits=logits, ends=ends, k=k, out=out)
             is not STOCK
         )

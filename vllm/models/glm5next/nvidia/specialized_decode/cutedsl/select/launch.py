@@ -14,15 +14,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from vllm.model_executor.warmup.jit_warmup import WarmupIntRange, kernel_launcher
 
 from ..common.host import KpoolKernel, check_devices, layout, mismatch
-from .kernel import (
-    CAPACITIES,
-    DTYPES,
-    SHARED_LIMIT,
-    THREADS,
-    VECTOR,
-    SelectTopk,
-    shared_bytes,
-)
+from .kernel import BINS, CAPACITIES, DTYPES, THREADS, VECTOR, WARPS, SelectTopk
 
 # The k a compile key takes (stock's decode top-k serves 512, 1024, 2048).
 MAX_K = 4096
@@ -30,7 +22,7 @@ CLUSTERS = (1, 2, 4, 8, 16)
 # Rows 16-CTA clusters take: about 7 of them fit the H200's GPCs at once.
 MAX_ROWS_16 = 4
 # A slice is not split below this many keys: smaller ones cost more in
-# the cluster-wide merge than they save in the load.
+# cluster barriers than they save in passes.
 MIN_SLICE = 8192
 # An SM's shared memory and threads (Hopper and the SM100 family), and the
 # shared memory the system keeps per CTA.
@@ -49,66 +41,44 @@ def slice_capacity(width: int, dtype: torch.dtype, cluster: int) -> int:
     return next((c for c in CAPACITIES if span <= c), 0)
 
 
-def fits(width: int, dtype: torch.dtype, k: int, cluster: int) -> bool:
-    """Whether a CTA of a ``cluster``-CTA row of ``width`` columns holds its
-    slice and CTA 0's lists for ``k`` in shared memory."""
-    capacity = slice_capacity(width, dtype, cluster)
-    return bool(capacity) and shared_bytes(k, cluster, capacity) <= SHARED_LIMIT
-
-
-@functools.cache
-def widest(k: int) -> int:
-    """The widest row the select takes for ``k`` (BF16 and FP32 alike)."""
-    return max(
-        (
-            cluster * capacity
-            for cluster in CLUSTERS
-            for capacity in CAPACITIES
-            if shared_bytes(k, cluster, capacity) <= SHARED_LIMIT
-        ),
-        default=0,
-    )
-
-
 # Cached (as one_wave): the eager host path asks them once a layer a step.
 @functools.cache
-def cluster_for(
-    rows: int, width: int, dtype: torch.dtype, k: int, sms: int
-) -> int | None:
+def cluster_for(rows: int, width: int, dtype: torch.dtype, sms: int) -> int | None:
     """The CTAs a row takes: the most that keep the rows' CTAs within half
     of ``sms`` and the slices at least ``MIN_SLICE`` keys, else the fewest
-    that fit in shared memory; None where none do."""
-    fitting = [c for c in CLUSTERS if fits(width, dtype, k, c)]
-    if not fitting:
+    whose slices fit in shared memory; None where none do. (An H200 sweep
+    chose these bounds: at 32 rows of 65536 pools 2 CTAs a row beat 4.)"""
+    fits = [c for c in CLUSTERS if slice_capacity(width, dtype, c)]
+    if not fits:
         return None
     wide = [
         c
-        for c in fitting
+        for c in fits
         if 2 * rows * c <= sms
         and -(-width // c) >= MIN_SLICE
         and (c < 16 or rows <= MAX_ROWS_16)
     ]
-    return max(wide) if wide else fitting[0]
+    return max(wide) if wide else fits[0]
 
 
 @functools.cache
-def one_wave(rows: int, width: int, dtype: torch.dtype, k: int, sms: int) -> bool:
+def one_wave(rows: int, width: int, dtype: torch.dtype, sms: int) -> bool:
     """Whether the clusters of ``rows`` rows of ``width`` columns are all
     resident at once on ``sms`` SMs. The stage runs the select only then:
     a second wave costs the select more than stock's top-k, whose CTAs a row
     follow the row's end."""
-    cluster = cluster_for(rows, width, dtype, k, sms)
+    cluster = cluster_for(rows, width, dtype, sms)
     if cluster is None:
         return False
     capacity = slice_capacity(width, dtype, cluster)
-    shared = shared_bytes(k, cluster, capacity) + CTA_RESERVED_BYTES
+    shared = 4 * (capacity + 2 * BINS + 2 * WARPS + 4) + CTA_RESERVED_BYTES
     per_sm = min(SM_THREADS // THREADS, SM_SHARED_BYTES // shared)
     return rows * cluster <= sms * per_sm
 
 
-def in_one_wave(rows, width, dtype, k, sms):
+def in_one_wave(rows, width, dtype, sms):
     """``one_wave`` as a warmup predicate (vLLM traces its one expression)."""
-    return one_wave(rows, width, dtype, k, sms)
+    return one_wave(rows, width, dtype, sms)
 
 
 @functools.cache
@@ -136,11 +106,11 @@ def check(logits, ends, k, out) -> None:
             "fp32/bf16 [rows, width], unit column stride, 16-byte aligned rows",
             layout(logits),
         )
-    if logits.shape[1] > widest(k):
+    if not slice_capacity(logits.shape[1], logits.dtype, CLUSTERS[-1]):
         raise mismatch(
             "logits",
-            f"at most {widest(k)} columns for k = {k} (the slices and CTA 0's "
-            "candidates in shared memory)",
+            f"at most {CLUSTERS[-1] * CAPACITIES[-1]} columns "
+            f"({CLUSTERS[-1]} CTAs of {CAPACITIES[-1]} shared keys)",
             logits.shape[1],
         )
     rows = logits.shape[0]
@@ -178,7 +148,7 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
     def dispatch(  # type: ignore[override]
         self, *, k: int, dtype: torch.dtype, rows: int, width: int, sms: int
     ) -> CompileKey:
-        cluster = cluster_for(rows, width, dtype, k, sms)
+        cluster = cluster_for(rows, width, dtype, sms)
         return self.CompileKey(
             k=k,
             dtype=dtype,
