@@ -21,7 +21,7 @@ load_kernels(None)  # the kernel-only shim or the patched overlay
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Int32, Int64, Uint32  # noqa: E402
+from cutlass import Int32, Uint32  # noqa: E402
 
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import (  # noqa: E402
     kernel as select_kernel,
@@ -49,11 +49,7 @@ class FloorTopk(select_kernel.SelectTopk):
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         end = cutlass.min(cutlass.max(Int32(ends[row]), Int32(0)), logits.shape[1])
-        span = (end + self.cluster - 1) // self.cluster
-        span = (span + self.vector - 1) // self.vector * self.vector
-        start = rank * span
-        n = cutlass.min(cutlass.max(end - start, Int32(0)), span)
-        base = logits.iterator + Int64(row) * logits.stride[0] + start
+        _, n, base = self.slice(logits, row, rank, end)
         if tid < select_kernel.BINS:
             hist[tid] = Int32(0)
         cute.arch.barrier()

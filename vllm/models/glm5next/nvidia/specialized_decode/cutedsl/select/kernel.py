@@ -209,12 +209,7 @@ class SelectTopk:
                         value = i
                     out[row, i] = value
         else:
-            vector = self.vector
-            span = (end + self.cluster - 1) // self.cluster
-            span = (span + vector - 1) // vector * vector
-            start = rank * span
-            n = cutlass.min(cutlass.max(end - start, Int32(0)), span)
-            base = logits.iterator + Int64(row) * logits.stride[0] + start
+            start, n, base = self.slice(logits, row, rank, end)
             if tid < BINS:
                 hist[tid] = Int32(0)
             if tid == 0:
@@ -236,6 +231,17 @@ class SelectTopk:
             # The exit barrier: its arrive followed the last pass's reads of
             # the peers' histograms, which must outlive them.
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def slice(self, logits, row, rank, end):
+        """CTA ``rank``'s slice of row ``row``'s ``end`` valid columns: its
+        first column, its column count and the address of its first."""
+        vector = self.vector
+        span = (end + self.cluster - 1) // self.cluster
+        span = (span + vector - 1) // vector * vector
+        start = rank * span
+        n = cutlass.min(cutlass.max(end - start, Int32(0)), span)
+        return start, n, logits.iterator + Int64(row) * logits.stride[0] + start
 
     @cute.jit
     def load_slice(self, base, n, tid, keys_at, hist):
