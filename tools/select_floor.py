@@ -44,16 +44,19 @@ class FloorTopk(select_kernel.SelectTopk):
         row = block // self.cluster
         rank = cute.arch.block_idx_in_cluster()
         smem = cutlass.memory.SmemAllocator()
-        hist = smem.allocate_tensor(Int32, cute.make_layout(select_kernel.BINS), 16)
+        hist = smem.allocate_tensor(Int32, cute.make_layout(2 * select_kernel.BINS), 16)
+        found = smem.allocate_tensor(Int32, cute.make_layout(select_kernel.FOUND))
         keys = smem.allocate_tensor(Uint32, cute.make_layout(self.capacity), 16)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         end = cutlass.min(cutlass.max(Int32(ends[row]), Int32(0)), logits.shape[1])
-        _, n, base = self.slice(logits, row, rank, end)
+        _, n, base = self.slice(logits, row, rank, end, self.cluster)
         if tid < select_kernel.BINS:
             hist[tid] = Int32(0)
+        if tid < select_kernel.FOUND:
+            found[tid] = Int32(0)
         cute.arch.barrier()
-        self.load_slice(base, n, tid, Int32(keys.iterator.toint()), hist)
+        self.load_slice(base, n, tid, Int32(keys.iterator.toint()), hist, found)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         if rank == 0:

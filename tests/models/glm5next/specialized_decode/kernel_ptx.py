@@ -4,9 +4,12 @@
 compiled for sm_90a or sm_100a on its ``warmup_inputs`` (fake tensors, no
 GPU) as the JIT warmup compiles it, and its PTX read by instruction."""
 
+import importlib.util
 import re
+import subprocess
 import tempfile
 from collections import Counter
+from pathlib import Path
 
 import cutlass.cute as cute
 
@@ -28,6 +31,28 @@ def compile_ptx(kernel, key, arch: str) -> str:
             options=options,
         )
         return compiled.__ptx__
+
+
+def resources(ptx: str, arch: str) -> tuple[int, int]:
+    """(registers a thread, bytes spilled) of ``ptx``'s kernel as ptxas
+    assembles it for ``arch`` (the ptxas of nvidia-cuda-nvcc, which vLLM's
+    torch pins)."""
+    (toolkit,) = importlib.util.find_spec("nvidia.cu13").submodule_search_locations
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp, "kernel.ptx")
+        source.write_text(ptx)
+        done = subprocess.run(
+            [Path(toolkit, "bin", "ptxas"), f"-arch={arch}", "-v", source]
+            + ["-o", Path(tmp, "kernel.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    registers = int(re.search(r"Used (\d+) registers", done.stderr)[1])
+    spilled = re.search(
+        r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr
+    )
+    return registers, int(spilled[1]) + int(spilled[2])
 
 
 def ops(ptx: str) -> Counter:

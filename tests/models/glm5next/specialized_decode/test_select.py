@@ -27,7 +27,7 @@ from collections import Counter
 
 import pytest
 import torch
-from kernel_ptx import compile_ptx, ops
+from kernel_ptx import compile_ptx, ops, resources
 from kpool_fuzz import FUZZ_REPORT, fuzz, fuzz_seed, report
 from rule_edges import (
     SMS,
@@ -43,7 +43,9 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import (
 )
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.kernel import (
     CAPACITIES,
+    THREADS,
     VECTOR,
+    ctas_per_sm,
 )
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
     CLUSTERS,
@@ -267,7 +269,7 @@ def test_rule_on_layouts_and_dtypes():
 
 def test_cluster_for_rows_and_width():
     """Most CTAs a row while the rows' CTAs fill at most half the SMs and
-    slices keep 8192 keys (16-CTA clusters: at most 4 rows); the fewest that
+    slices keep 4096 keys (16-CTA clusters: 8192, at most 4 rows); the fewest that
     fit in shared memory past that; and which row counts fit one wave."""
     assert slice_capacity(1, F32, 8) == CAPACITIES[0]
     assert slice_capacity(65536, F32, 8) == 8192
@@ -280,7 +282,13 @@ def test_cluster_for_rows_and_width():
     choices = {
         (1, 600): 1,
         (256, 4096): 1,
+        (1, 16384): 4,
+        (16, 16384): 4,
+        (17, 16384): 2,
+        (1, 32768): 8,
         (1, 65536): 8,
+        (4, 131072): 16,
+        (5, 131072): 8,
         (8, 65536): 8,
         (16, 65536): 4,
         (32, 65536): 2,
@@ -392,25 +400,32 @@ def test_select_ptx(arch, cluster, capacity, dtype):
     """PDL; no spills; 16-byte row loads; the keys (sign-extended masks,
     then xor); shared histogram counts; the slice resident in shared
     memory; the peers' histograms through distributed shared memory; the
-    cluster barriers, one a pass and the exit's split arrive / wait; a BF16
-    row end's single columns."""
+    cluster barriers, one a pass and the exit's split arrive / wait (none
+    in a 1-CTA build: CTA barriers); a BF16 row end's single columns."""
     text = compile_ptx(SELECT, SELECT.CompileKey(K, dtype, cluster, capacity), arch)
     count = ops(text)
     assert (
         count["griddepcontrol.wait"] == count["griddepcontrol.launch_dependents"] == 1
     )
     assert ".local" not in text, "spills to local memory"
+    # As many CTAs an SM as one_wave counts on: ptxas is asked for them.
+    ctas = ctas_per_sm(capacity)
+    assert (".minnctapersm 2" in text) == (ctas == 2)
+    registers, spilled = resources(text, arch)
+    assert registers * THREADS * ctas <= 65536 and spilled == 0, (registers, spilled)
     assert "ld.global.nc.v4.b32" in text
     assert "shr.s32 m," in text and "or.b32 m,m,0x80000000" in text
     assert "red.shared.add" in text or "atom.shared.add" in text
     assert "st.shared.v4.b32" in text and "ld.shared.v4.b32" in text
-    assert "mapa.shared::cluster.u32" in text
     passes = 4 if dtype == F32 else 2
-    # One barrier a pass; the exit's wait, and its arrive after the last
-    # pass or (FP32) after each earlier one whose bin is taken whole.
-    exits = passes - 1 if dtype == F32 else 0
-    assert text.count("barrier.cluster.arrive") == passes + 1 + exits
-    assert text.count("barrier.cluster.wait") == passes + 1
+    if cluster == 1:
+        assert "barrier.cluster" not in text and "mapa" not in text
+    else:
+        assert "mapa.shared::cluster.u32" in text
+        # One barrier a pass; the exit's wait, and its arrive after the last
+        # pass or after each earlier one where the passes end early.
+        assert text.count("barrier.cluster.arrive") == 2 * passes
+        assert text.count("barrier.cluster.wait") == passes + 1
     if dtype == BF16:
         assert "ld.global.nc.b16" in text
 
@@ -433,6 +448,7 @@ def _check(case, clusters: Counter, allocate: bool) -> str | None:
     logits, ends, k = (case.arguments[n] for n in ("logits", "ends", "k"))
     rows = logits.shape[0]
     clusters[SELECT.spec(**case.arguments)[0].cluster] += 1
+    clusters[str(logits.dtype)[6:]] += 1
     want = case.expected[0].clone()
     want[:rows, :k] = contract_topk(logits, ends, k)
     if not torch.equal(want, case.expected[0]):
@@ -472,7 +488,8 @@ def test_select_matches_the_contract():
         fuzz("select_topk", 4000, check)
     finally:
         FUZZ_REPORT.append(
-            f"select_topk cases by cluster size: {dict(sorted(clusters.items()))}"
+            "select_topk cases by cluster size and dtype: "
+            f"{dict(sorted(clusters.items(), key=str))}"
         )
     assert set(clusters) >= {key.cluster for key in firsts[: drawn[0]]}
 
@@ -542,6 +559,51 @@ def test_select_whole_bins(dtype, width):
     logits = logits[:, :width]
     logits.copy_(values)
     ends = torch.full((logits.shape[0],), width, dtype=I32, device="cuda")
+    got = SELECT(logits=logits, ends=ends, k=K)
+    assert torch.equal(got, contract_topk(logits, ends, K))
+
+
+def zero_plateau_rows(dtype, width: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows of +0.0 whose threshold pass 0 finds at +0.0: ``K // 4``
+    normals above it, with none, ``K // 2`` or all other keys of its pass-0
+    bin (the smallest positives) beside them, -0.0 and negatives below;
+    and one row whose threshold lies among those smallest positives (the
+    passes go on). In random columns."""
+    bits = 32 if dtype == F32 else 16
+    tiny = torch.randint(1, 1 << (bits - 8), (width,), generator=gen)
+    normal = torch.randn(width, generator=gen).abs() + 1
+    normal = normal.view(torch.int32).long() >> (32 - bits)
+    rows = []
+    for smallest in (0, K // 2, width, 2 * K):
+        keys = torch.zeros(width, dtype=torch.long)
+        keys[: K // 4] = normal[: K // 4]
+        last = min(width, K // 4 + smallest)
+        keys[K // 4 : last] = tiny[K // 4 : last]
+        if smallest != width:  # -0.0 and negatives past the positives
+            keys[last::3] = 1 << (bits - 1)
+            keys[last + 1 :: 3] = -normal[last + 1 :: 3]
+        rows.append(keys[torch.randperm(width, generator=gen)])
+    values = torch.stack(rows)
+    if dtype == F32:
+        return values.to(torch.int32).view(F32)
+    return values.to(torch.int16).view(BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [K + 1, 65536, 262144])
+def test_select_zero_plateaus(dtype, width):
+    """Rows whose threshold is +0.0 (the passes end after pass 0) or one of
+    the smallest positives beside it, with full ends (a cluster a row) and
+    ends within one CTA's keys (CTA 0 alone): the contract's columns."""
+    gen = torch.Generator().manual_seed(width + 1)
+    values = zero_plateau_rows(dtype, width, gen)
+    rows = values.shape[0]
+    stride = -(-width // 8) * 8
+    logits = torch.zeros(2 * rows, stride, dtype=dtype, device="cuda")[:, :width]
+    logits.copy_(torch.cat([values, values]))
+    ends = [width] * rows + [min(width, 3000 + 997 * r) for r in range(rows)]
+    ends = torch.tensor(ends, dtype=I32, device="cuda")
     got = SELECT(logits=logits, ends=ends, k=K)
     assert torch.equal(got, contract_topk(logits, ends, K))
 

@@ -486,10 +486,13 @@ def select_key(rng: random.Random, sms: int):
 def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
     """Logits of one kind: normals of some scale; few distinct values
     (ties across the threshold); all equal; ReLU's plateaus of exact 0.0;
-    keys that differ in their lowest bits; and specials sprinkled."""
+    +0.0 among the smallest positives and -0.0; keys that differ in their
+    lowest bits; and specials sprinkled."""
     g = dict(generator=gen, device=gen.device)
     shape = (rows, width)
-    kind = rng.choice(["normal", "ties", "equal", "relu", "lowbits", "special"])
+    kind = rng.choice(
+        ["normal", "ties", "equal", "relu", "zeros", "lowbits", "special"]
+    )
     if kind == "ties":
         levels = torch.randn(rng.choice([1, 2, 3, 17]), **g)
         values = levels[torch.randint(0, levels.numel(), shape, **g)]
@@ -498,6 +501,13 @@ def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
         values = torch.full(shape, value, device=gen.device)
     elif kind == "relu":
         values = (torch.randn(shape, **g) - rng.choice([0.0, 2.0, 3.5])).relu()
+    elif kind == "zeros":  # +0.0, its pass-0 bin's smallest positives, -0.0
+        tiny = torch.randint(1, 1 << 24, shape, **g, dtype=torch.int32)
+        pick = torch.rand(shape, **g)
+        values = torch.where(
+            pick < rng.choice([0.0, 0.002, 0.01, 0.5]), tiny.view(torch.float32), 0.0
+        )
+        values = torch.where(pick > 1 - rng.choice([0.0, 0.3]), -0.0, values)
     elif kind == "lowbits":  # one sign and exponent
         unit = 1 if dtype == torch.float32 else 1 << 16
         noise = torch.randint(0, rng.choice([2, 16, 256]), shape, **g) * unit

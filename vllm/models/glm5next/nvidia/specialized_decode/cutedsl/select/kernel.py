@@ -31,15 +31,22 @@ owns the slice ``[rank * S, (rank + 1) * S)`` of its valid columns (``S =
 ceil(end / C)`` rounded up to the load vector) and reads it once from global
 memory into shared memory as order keys. Radix passes of 8-bit digits (4 for
 FP32, 2 for BF16) count each CTA's matching keys into its shared histogram
-(pass 0 while loading). After one cluster
-barrier a pass, every CTA sums the ``C`` histograms through distributed
-shared memory and finds the threshold digit itself. While summing, each
-thread also sums the bins of the ranks before its own, which gives the CTA
-the counts above and equal to the threshold before its slice: the
-compaction writes column ``c`` at ``above_c + min(equal_c, need)`` with no
-further cluster barrier. On FP32 rows, a pass whose bin the set takes whole
-(its count is what the set still needs: on ``randn`` logits the third pass,
-mostly) ends the passes: the threshold is then just below the bin.
+(pass 0 while loading). After one cluster barrier a pass, every CTA sums the
+``C`` histograms through distributed shared memory and finds the threshold
+digit itself. While summing, each thread also sums the bins of the ranks
+before its own, which gives the CTA the counts above and equal to the
+threshold before its slice: the compaction writes column ``c`` at
+``above_c + min(equal_c, need)`` with no further cluster barrier.
+
+The passes end early where the set is known before the last one: on FP32
+rows, where a pass's bin is taken whole (its count is what the set still
+needs: on ``randn`` logits the third pass, mostly), the threshold is then
+just below the bin; and where the threshold is ``+0.0`` (ReLU-weighted
+logits with fewer than ``k`` positive), which pass 0 tells from its count of
+exact ``+0.0`` keys: the bin's other keys are above them. A row whose valid
+columns fit one CTA's shared keys (``end <= ALONE_KEYS``) is selected by CTA
+0 alone, with CTA barriers: a cluster barrier costs more than the slice
+saves there.
 """
 
 import cuda.bindings.driver as cuda
@@ -65,11 +72,39 @@ CAPACITIES = (4096, 8192, 16384, 32768, 53248)
 DTYPES = {torch.float32: Float32, torch.bfloat16: BFloat16}
 VECTOR = {torch.float32: 4, torch.bfloat16: 8}
 _KEY_BITS = {torch.float32: 32, torch.bfloat16: 16}
-# Keys a thread takes from shared memory at once (one 16-byte load).
+# Keys a thread takes from shared memory at once in a pass (one 16-byte
+# load) and in the compaction (two, where the capacity holds them: one
+# CTA-wide scan for each 8192 keys).
 _GROUP = 4
 _TILE = THREADS * _GROUP
-# 16-byte row loads in flight per thread while loading the slice.
-_UNROLL = 4
+_OUT_GROUP = 8
+# The most keys a row's CTA 0 selects alone (a row of up to one full slice).
+ALONE_KEYS = 8192
+# The key of +0.0, where ReLU-weighted logits have their plateaus.
+_ZERO_KEY = {torch.float32: 0x80000000, torch.bfloat16: 0x8000}
+# Shared words a CTA has besides its keys: two histograms, two scans' warp
+# totals and what a pass finds (``found``, see ``select_row``).
+FOUND = 6
+SCRATCH_WORDS = 2 * BINS + 2 * WARPS + FOUND
+# An SM's shared memory and threads (Hopper and the SM100
+# family), and the shared memory the system keeps per CTA.
+SM_SHARED_BYTES = 228 * 1024
+SM_THREADS = 2048
+CTA_RESERVED_BYTES = 1024
+
+
+def ctas_per_sm(capacity: int) -> int:
+    """The CTAs of a ``capacity``-key build an SM holds at once: two where
+    their shared memory fits (the build then asks ptxas for two: 32
+    registers a thread), else one."""
+    shared = 4 * (capacity + SCRATCH_WORDS) + CTA_RESERVED_BYTES
+    return min(SM_THREADS // THREADS, SM_SHARED_BYTES // shared)
+
+
+# 16-byte row loads in flight per thread while loading the slice (BF16's
+# eight keys a load take the registers of two more: the build keeps to 32
+# registers where two CTAs share an SM).
+_UNROLL = {torch.float32: 4, torch.bfloat16: 2}
 
 
 @inline_ptx(Uint32, pure=True)
@@ -151,7 +186,7 @@ def _block_scan(value: Int32, totals, slot):
 
 class SelectTopk:
     """Cluster ``row`` selects row ``row``; its CTA ``rank`` owns the slice
-    from ``rank * S``."""
+    from ``rank * S`` (CTA 0 the whole row where it fits ``ALONE_KEYS``)."""
 
     def __init__(self, key):
         assert all(c % _TILE == 0 for c in CAPACITIES)
@@ -160,8 +195,14 @@ class SelectTopk:
         self.vector = VECTOR[key.dtype]
         self.key_bits = _KEY_BITS[key.dtype]
         self.digits = DIGITS[key.dtype]
+        self.unroll = _UNROLL[key.dtype]
+        self.zero_key = _ZERO_KEY[key.dtype]
+        self.alone_keys = min(ALONE_KEYS, self.capacity)
+        self.out_group = (
+            _OUT_GROUP if self.capacity % (THREADS * _OUT_GROUP) == 0 else _GROUP
+        )
         # FP32 only: on BF16 a whole bin is rare before the last pass.
-        self.early_exit = key.dtype == torch.float32
+        self.whole_exit = key.dtype == torch.float32
 
     @cute.jit
     def __call__(
@@ -177,6 +218,9 @@ class SelectTopk:
             cluster=(self.cluster, 1, 1),
             stream=stream,
             use_pdl=True,
+            min_blocks_per_mp=ctas_per_sm(self.capacity),
+            # Set, so that the build asks no device for its shared memory.
+            preferred_smem_carveout=100,
         )
 
     @cute.kernel
@@ -188,18 +232,15 @@ class SelectTopk:
         smem = cutlass.memory.SmemAllocator()
         # Two histograms (a pass counts into one while its peers may still
         # read the other's previous pass), the warp totals of two scans, and
-        # what a pass finds: the digit, the count above it, the count equal
-        # to the threshold in the ranks before this one (last pass), the
-        # count above it in those ranks, and whether the bin is taken whole.
+        # ``found`` (see ``select_row``).
         hist = smem.allocate_tensor(Int32, cute.make_layout(2 * BINS), 16)
         totals = smem.allocate_tensor(Int32, cute.make_layout(2 * WARPS))
-        found = smem.allocate_tensor(Int32, cute.make_layout(5))
+        found = smem.allocate_tensor(Int32, cute.make_layout(FOUND))
         keys = smem.allocate_tensor(Uint32, cute.make_layout(self.capacity), 16)
-        keys_at = Int32(keys.iterator.toint())
-        hist_at = Int32(hist.iterator.toint())
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         end = cutlass.min(cutlass.max(Int32(ends[row]), Int32(0)), logits.shape[1])
+        shared = (hist, totals, found, keys)
         if end <= self.k:
             if rank == 0:
                 # Every valid column, in order, then -1 (stock's bytes).
@@ -208,54 +249,78 @@ class SelectTopk:
                     if i < end:
                         value = i
                     out[row, i] = value
+        elif cutlass.const_expr(self.cluster == 1):
+            self.select_row(logits, out, row, rank, end, tid, shared, True)
+        elif end <= self.alone_keys:
+            # The cluster's other CTAs exit: nothing reads their memory.
+            if rank == 0:
+                self.select_row(logits, out, row, rank, end, tid, shared, True)
         else:
-            start, n, base = self.slice(logits, row, rank, end)
-            if tid < BINS:
-                hist[tid] = Int32(0)
-            if tid == 0:
-                found[2] = Int32(0)
-                found[3] = Int32(0)
-            cute.arch.barrier()
-            self.load_slice(base, n, tid, keys_at, hist)
-            threshold, need, above_share = self.radix_select(
-                n, tid, rank, keys_at, hist, hist_at, totals, found
-            )
-            # The count above the threshold in the ranks before this one.
-            share = cute.arch.warp_redux_sync(above_share, "add")
-            if cute.arch.lane_idx() == 0:
-                cute.arch.atomic_add(found.iterator + 3, share)
-            cute.arch.barrier()
-            self.compact(
-                start, n, tid, keys_at, out, row, threshold, need, found, totals
-            )
+            self.select_row(logits, out, row, rank, end, tid, shared, False)
+
+    @cute.jit
+    def select_row(self, logits, out, row, rank, end, tid, shared, alone):
+        """The top ``k`` of row ``row``'s ``end`` (> ``k``) valid columns
+        from this CTA's slice: of the whole row where ``alone`` (constexpr),
+        else of the cluster's. ``found`` holds what a pass finds: the
+        threshold digit, the count above its bin, the count equal to the
+        threshold in the ranks before this one, the count above it in those
+        ranks, how the passes ended early (1: a whole bin; 2: at +0.0), and
+        this CTA's count of +0.0 keys."""
+        hist, totals, found, keys = shared
+        parts = 1 if alone else self.cluster
+        start, n, base = self.slice(logits, row, rank, end, parts)
+        if tid < BINS:
+            hist[tid] = Int32(0)
+        if tid < FOUND:
+            found[tid] = Int32(0)
+        cute.arch.barrier()
+        keys_at = Int32(keys.iterator.toint())
+        self.load_slice(base, n, tid, keys_at, hist, found)
+        threshold, need, above_share = self.radix_select(
+            n, tid, rank, keys_at, hist, totals, found, alone
+        )
+        # The count above the threshold in the ranks before this one.
+        share = cute.arch.warp_redux_sync(above_share, "add")
+        if cute.arch.lane_idx() == 0:
+            cute.arch.atomic_add(found.iterator + 3, share)
+        cute.arch.barrier()
+        self.compact(start, n, tid, keys_at, out, row, threshold, need, found, totals)
+        if cutlass.const_expr(not alone):
             # The exit barrier: its arrive followed the last pass's reads of
-            # the peers' histograms, which must outlive them.
+            # the peers' shared memory, which must outlive them.
             cute.arch.cluster_wait()
 
     @cute.jit
-    def slice(self, logits, row, rank, end):
-        """CTA ``rank``'s slice of row ``row``'s ``end`` valid columns: its
-        first column, its column count and the address of its first."""
+    def slice(self, logits, row, rank, end, parts):
+        """CTA ``rank``'s slice of row ``row``'s ``end`` valid columns split
+        in ``parts``: its first column, its column count and the address of
+        its first."""
         vector = self.vector
-        span = (end + self.cluster - 1) // self.cluster
+        span = (end + parts - 1) // parts
         span = (span + vector - 1) // vector * vector
         start = rank * span
         n = cutlass.min(cutlass.max(end - start, Int32(0)), span)
         return start, n, logits.iterator + Int64(row) * logits.stride[0] + start
 
     @cute.jit
-    def load_slice(self, base, n, tid, keys_at, hist):
+    def load_slice(self, base, n, tid, keys_at, hist, found):
         """Reads the slice's ``n`` columns from ``base`` once into the shared
-        keys, counting pass 0's digits as it goes."""
+        keys, counting pass 0's digits as it goes, and the +0.0 keys into
+        ``found[5]`` (a warp's at once: a plateau's keys would all hit one
+        bin)."""
         vector = self.vector
         shift = self.key_bits - self.digits[0]
+        zero = Uint32(self.zero_key)
+        zeros = Int32(0)
+        spare = BINS + cute.arch.lane_idx()
         full = n // vector
-        for v0 in cutlass.range(tid, full, THREADS * _UNROLL, unroll=1):
+        for v0 in cutlass.range(tid, full, THREADS * self.unroll, unroll=1):
             loaded = []
-            for u in cutlass.range_constexpr(_UNROLL):
+            for u in cutlass.range_constexpr(self.unroll):
                 v = v0 + u * THREADS
                 loaded.append(load_words_if(base + v * vector, 4, v < full))
-            for u in cutlass.range_constexpr(_UNROLL):
+            for u in cutlass.range_constexpr(self.unroll):
                 v = v0 + u * THREADS
                 ok = v < full
                 words = loaded[u]
@@ -270,8 +335,8 @@ class SelectTopk:
                         at = keys_at + (v * vector + 4 * h) * 4
                         _store_shared4(at, *group[4 * h : 4 * h + 4])
                     for key in group:
-                        digit = Int32(key >> Uint32(shift))
-                        cute.arch.atomic_add(hist.iterator + digit, Int32(1))
+                        zeros, at = self.count_at(key, zero, shift, zeros, spare)
+                        cute.arch.atomic_add(hist.iterator + at, Int32(1))
         if tid == 0:
             # The row end's last columns, one at a time.
             for i in cutlass.range(full * vector, n, unroll=1):
@@ -280,29 +345,56 @@ class SelectTopk:
                 else:
                     key = _key32(load_words_if(base + i, 1, True)[0])
                 _store_shared(keys_at + i * 4, key)
-                digit = Int32(key >> Uint32(shift))
-                cute.arch.atomic_add(hist.iterator + digit, Int32(1))
+                zeros, at = self.count_at(key, zero, shift, zeros, spare)
+                cute.arch.atomic_add(hist.iterator + at, Int32(1))
+        zeros = cute.arch.warp_redux_sync(zeros, "add")
+        if cute.arch.lane_idx() == 0:  # noqa: SIM102
+            if zeros > 0:
+                cute.arch.atomic_add(
+                    hist.iterator + Int32(zero >> Uint32(shift)), zeros
+                )
+                cute.arch.atomic_add(found.iterator + 5, zeros)
 
     @cute.jit
-    def radix_select(self, n, tid, rank, keys_at, hist, hist_at, totals, found):
+    def count_at(self, key, zero, shift, zeros, spare):
+        """``(zeros, bin)``: +0.0 keys are counted in ``zeros`` (the load
+        adds them to their bin a warp at once: a plateau's keys would all
+        hit one bin) and go to the ``spare`` bin of the other histogram,
+        the lane's own (cleared before pass 1 counts into it); other keys to
+        their pass-0 bin. Branch-free: a branch costs the load loop its
+        registers."""
+        is_zero = Int32(key == zero)
+        digit = Int32(key >> Uint32(shift))
+        return zeros + is_zero, digit + (spare - digit) * is_zero
+
+    @cute.jit
+    def sync(self, alone):
+        """Every count of the pass is complete and visible: a CTA barrier
+        where ``alone``, else a cluster barrier."""
+        if cutlass.const_expr(alone):
+            cute.arch.barrier()
+        else:
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def radix_select(self, n, tid, rank, keys_at, hist, totals, found, alone):
         """``(threshold, need, share)``: the top ``k`` are the keys above
         ``threshold`` and the first ``need`` equal to it; ``share`` is this
         thread's share of the count above it in the ranks before ``rank``.
-        Pass by pass, ``threshold`` is the ``k``-th largest key; where a
-        pass's bin is taken whole (its count is what the set still needs),
-        the later passes are skipped: ``threshold`` is then just below the
-        bin and ``need`` 0 (every CTA sums the same histograms, so all skip
-        alike)."""
+        Pass by pass, ``threshold`` is the ``k``-th largest key; where the
+        passes end early (every CTA sums the same histograms, so all end
+        alike) it is just below a bin taken whole (``need`` 0) or +0.0."""
         prefix = Uint32(0)
         remaining = Int32(self.k)
         above_share = Int32(0)
-        whole = Int32(0)
+        early = Int32(0)
         passes = len(self.digits)
         for p in cutlass.range_constexpr(passes):
             bits = self.digits[p]
             shift = self.key_bits - sum(self.digits[: p + 1])
             current = (p % 2) * BINS
-            if whole == 0:
+            if early == 0:
                 if cutlass.const_expr(p > 0):
                     high = prefix >> Uint32(shift + bits)
                     for i in cutlass.range(tid * _GROUP, n, _TILE, unroll=1):
@@ -319,111 +411,163 @@ class SelectTopk:
                                     cute.arch.atomic_add(
                                         hist.iterator + current + digit, Int32(1)
                                     )
-                # Every CTA's histogram of this pass is complete and visible.
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
+                self.sync(alone)
                 if cutlass.const_expr(p + 1 < passes):  # noqa: SIM102
-                    # The other histogram: its peers read it last pass, before
-                    # arriving at the barrier above.
+                    # The other histogram: its last readers (this CTA's, or
+                    # its peers') were done before the barrier above.
                     if tid < BINS:
                         hist[(1 - p % 2) * BINS + tid] = Int32(0)
-                digit, above, share, whole = self.merge_find(
+                digit, above, share, early = self.merge_find(
                     p,
                     prefix,
                     shift,
-                    hist_at,
+                    hist,
                     current,
                     remaining,
                     tid,
                     rank,
                     totals,
                     found,
+                    alone,
                 )
                 prefix = prefix | (Uint32(digit) << Uint32(shift))
                 remaining = remaining - above
                 above_share = above_share + share
         threshold, need = prefix, remaining
-        if whole != 0:
+        if early == 1:
             threshold, need = prefix - Uint32(1), Int32(0)
         return threshold, need, above_share
 
     @cute.jit
     def merge_find(
-        self, p, prefix, shift, hist_at, current, remaining, tid, rank, totals, found
+        self,
+        p,
+        prefix,
+        shift,
+        hist,
+        current,
+        remaining,
+        tid,
+        rank,
+        totals,
+        found,
+        alone,
     ):
-        """Sums the ``C`` histograms of pass ``p`` (thread ``t`` takes bin
-        ``BINS - 1 - t``: a descending scan) and finds the digit whose bin
+        """Sums the histograms of pass ``p`` (the cluster's, or this CTA's
+        where ``alone``; thread ``t`` takes bin ``BINS - 1 - t``: a
+        descending scan) and finds the digit whose bin
         holds the ``remaining``-th largest matching key and the count above
-        it, and whether the bin is taken whole (not where its lowest key is
-        0, which nothing is below). Returns them with this thread's share of
-        the count above the digit (from the digit on, where whole) in the
-        ranks before ``rank``; the last pass stores the count in the digit's
-        bin in those ranks (``found[2]``). The last pass, or a whole bin,
-        arrives at the exit barrier once done reading the peers."""
+        it, and whether the passes end here (1: the bin is taken whole, not
+        where its lowest key is 0, which nothing is below; 2: pass 0, the
+        threshold is +0.0, whose count the bin's thread also sums). Returns
+        them with this thread's share of the count above the threshold in
+        the ranks before ``rank``; the last pass, or +0.0, stores the count
+        equal to it in those ranks (``found[2]``). The last pass, or an
+        early end, arrives at the exit barrier once done reading the
+        peers."""
         last = p + 1 == len(self.digits)
+        bin_digit = (BINS - 1) - tid
+        zero_digit = self.zero_key >> shift
         merged = Int32(0)
         before = Int32(0)
+        zeros = Int32(0)
+        zeros_before = Int32(0)
         if tid < BINS:
-            bin_at = hist_at + (current + (BINS - 1) - tid) * 4
-            for q in cutlass.range_constexpr(self.cluster):
-                count = Int32(_load_peer(bin_at, q))
-                merged = merged + count
-                if q < rank:
-                    before = before + count
-        if cutlass.const_expr(last):
+            if cutlass.const_expr(alone):
+                merged = hist[current + bin_digit]
+                if cutlass.const_expr(p == 0):  # noqa: SIM102
+                    if bin_digit == zero_digit:
+                        zeros = found[5]
+            else:
+                hist_at = Int32(hist.iterator.toint())
+                bin_at = hist_at + (current + bin_digit) * 4
+                for q in cutlass.range_constexpr(self.cluster):
+                    count = Int32(_load_peer(bin_at, q))
+                    merged = merged + count
+                    if q < rank:
+                        before = before + count
+                if cutlass.const_expr(p == 0):  # noqa: SIM102
+                    if bin_digit == zero_digit:
+                        zeros_at = Int32(found.iterator.toint()) + 5 * 4
+                        for q in cutlass.range_constexpr(self.cluster):
+                            count = Int32(_load_peer(zeros_at, q))
+                            zeros = zeros + count
+                            if q < rank:
+                                zeros_before = zeros_before + count
+        if cutlass.const_expr(last and not alone):
             cute.arch.cluster_arrive()
         above, _ = _block_scan(merged, totals, 0)
-        if above < remaining and remaining <= above + merged:
-            digit = (BINS - 1) - tid
-            found[0] = digit
-            found[1] = above
-            lowest = prefix | (Uint32(digit) << Uint32(shift))
-            found[4] = Int32(0)
-            if cutlass.const_expr(self.early_exit):
-                found[4] = Int32(above + merged == remaining) & Int32(
-                    lowest > Uint32(0)
-                )
-            if cutlass.const_expr(last):
-                found[2] = before
+        if tid < BINS:  # noqa: SIM102
+            if above < remaining and remaining <= above + merged:
+                found[0] = bin_digit
+                found[1] = above
+                lowest = prefix | (Uint32(bin_digit) << Uint32(shift))
+                early = Int32(0)
+                if cutlass.const_expr(self.whole_exit):
+                    early = Int32(above + merged == remaining) & Int32(
+                        lowest > Uint32(0)
+                    )
+                if cutlass.const_expr(p == 0):
+                    # The bin's keys other than +0.0 are above it.
+                    at_zero = (
+                        Int32(early == 0)
+                        & Int32(bin_digit == zero_digit)
+                        & Int32(remaining > above + merged - zeros)
+                    )
+                    if at_zero != 0:
+                        early = Int32(2)
+                        found[1] = above + merged - zeros
+                        found[2] = zeros_before
+                found[4] = early
+                if cutlass.const_expr(last):
+                    found[2] = before
         cute.arch.barrier()
         digit = found[0]
-        whole = found[4]
-        if cutlass.const_expr(self.early_exit and not last):  # noqa: SIM102
-            if whole != 0:
+        early = found[4]
+        if cutlass.const_expr(not last and not alone):  # noqa: SIM102
+            if early != 0:
                 cute.arch.cluster_arrive()
         share = Int32(0)
-        if (BINS - 1) - tid > digit:
+        if bin_digit > digit:
             share = before
-        if (BINS - 1) - tid == digit:  # noqa: SIM102
-            if whole != 0:
+        if bin_digit == digit:
+            if early == 1:
                 share = before
-        return digit, found[1], share, whole
+            if early == 2:
+                share = before - zeros_before
+        return digit, found[1], share, early
 
     @cute.jit
     def compact(self, start, n, tid, keys_at, out, row, threshold, need, found, totals):
         """Writes the slice's columns above the threshold and its share of
         the first ``need`` equal to it, in column order, at the slots after
         the ranks before it; stops once the row's ``k`` are written."""
+        group = self.out_group
+        tile = THREADS * group
         above_run = found[3]
         equal_run = found[2]
-        tiles = (n + _TILE - 1) // _TILE
+        tiles = (n + tile - 1) // tile
         for t in cutlass.range(tiles, unroll=1):
             if above_run + cutlass.min(equal_run, need) < self.k:
-                i0 = t * _TILE + tid * _GROUP
-                group = _load_shared4(keys_at + i0 * 4)
+                i0 = t * tile + tid * group
+                # Past n (masked below) but within the capacity.
+                at = keys_at + cutlass.min(i0, self.capacity - group) * 4
+                words = []
+                for h in cutlass.range_constexpr(group // 4):
+                    words += list(_load_shared4(at + 16 * h))
                 gt = Int32(0)
                 eq = Int32(0)
-                for i in cutlass.range_constexpr(_GROUP):
+                for i in cutlass.range_constexpr(group):
                     if i0 + i < n:
-                        if group[i] > threshold:
+                        if words[i] > threshold:
                             gt = gt | Int32(1 << i)
-                        if group[i] == threshold:
+                        if words[i] == threshold:
                             eq = eq | Int32(1 << i)
                 packed = Int32(cute.arch.popc(gt)) + (Int32(cute.arch.popc(eq)) << 16)
                 before, tile_total = _block_scan(packed, totals, (t & 1) * WARPS)
                 above = above_run + (before & Int32(0xFFFF))
                 equal = equal_run + (before >> 16)
-                for i in cutlass.range_constexpr(_GROUP):
+                for i in cutlass.range_constexpr(group):
                     g = (gt >> i) & Int32(1)
                     e = (eq >> i) & Int32(1)
                     taken = g

@@ -14,21 +14,17 @@ from cutlass.cute.runtime import make_fake_tensor
 from vllm.model_executor.warmup.jit_warmup import WarmupIntRange, kernel_launcher
 
 from ..common.host import KpoolKernel, check_devices, layout, mismatch
-from .kernel import BINS, CAPACITIES, DTYPES, THREADS, VECTOR, WARPS, SelectTopk
+from .kernel import CAPACITIES, DTYPES, VECTOR, SelectTopk, ctas_per_sm
 
 # The k a compile key takes (stock's decode top-k serves 512, 1024, 2048).
 MAX_K = 4096
 CLUSTERS = (1, 2, 4, 8, 16)
 # Rows 16-CTA clusters take: about 7 of them fit the H200's GPCs at once.
 MAX_ROWS_16 = 4
-# A slice is not split below this many keys: smaller ones cost more in
+# A slice is not split below this many keys (twice as many in a 16-CTA
+# cluster, whose barrier and sums cost more): smaller ones cost more in
 # cluster barriers than they save in passes.
-MIN_SLICE = 8192
-# An SM's shared memory and threads (Hopper and the SM100 family), and the
-# shared memory the system keeps per CTA.
-SM_SHARED_BYTES = 228 * 1024
-SM_THREADS = 2048
-CTA_RESERVED_BYTES = 1024
+MIN_SLICE = 4096
 
 
 @functools.cache
@@ -46,8 +42,9 @@ def slice_capacity(width: int, dtype: torch.dtype, cluster: int) -> int:
 def cluster_for(rows: int, width: int, dtype: torch.dtype, sms: int) -> int | None:
     """The CTAs a row takes: the most that keep the rows' CTAs within half
     of ``sms`` and the slices at least ``MIN_SLICE`` keys, else the fewest
-    whose slices fit in shared memory; None where none do. (An H200 sweep
-    chose these bounds: at 32 rows of 65536 pools 2 CTAs a row beat 4.)"""
+    whose slices fit in shared memory; None where none do. (H200 sweeps
+    chose these bounds: at 32 rows of 65536 pools 2 CTAs a row beat 4, at 1
+    row of 16384 4 beat 2, at 1 row of 65536 8 beat 16.)"""
     fits = [c for c in CLUSTERS if slice_capacity(width, dtype, c)]
     if not fits:
         return None
@@ -55,7 +52,7 @@ def cluster_for(rows: int, width: int, dtype: torch.dtype, sms: int) -> int | No
         c
         for c in fits
         if 2 * rows * c <= sms
-        and -(-width // c) >= MIN_SLICE
+        and -(-width // c) >= MIN_SLICE * (2 if c == 16 else 1)
         and (c < 16 or rows <= MAX_ROWS_16)
     ]
     return max(wide) if wide else fits[0]
@@ -70,10 +67,7 @@ def one_wave(rows: int, width: int, dtype: torch.dtype, sms: int) -> bool:
     cluster = cluster_for(rows, width, dtype, sms)
     if cluster is None:
         return False
-    capacity = slice_capacity(width, dtype, cluster)
-    shared = 4 * (capacity + 2 * BINS + 2 * WARPS + 4) + CTA_RESERVED_BYTES
-    per_sm = min(SM_THREADS // THREADS, SM_SHARED_BYTES // shared)
-    return rows * cluster <= sms * per_sm
+    return rows * cluster <= sms * ctas_per_sm(slice_capacity(width, dtype, cluster))
 
 
 def in_one_wave(rows, width, dtype, sms):
