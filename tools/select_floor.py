@@ -21,7 +21,7 @@ load_kernels(None)  # the kernel-only shim or the patched overlay
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Int32, Uint32  # noqa: E402
+from cutlass import Int32  # noqa: E402
 
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import (  # noqa: E402
     kernel as select_kernel,
@@ -43,10 +43,7 @@ class FloorTopk(select_kernel.SelectTopk):
         tid, _, _ = cute.arch.thread_idx()
         row = block // self.cluster
         rank = cute.arch.block_idx_in_cluster()
-        smem = cutlass.memory.SmemAllocator()
-        hist = smem.allocate_tensor(Int32, cute.make_layout(2 * select_kernel.BINS), 16)
-        found = smem.allocate_tensor(Int32, cute.make_layout(select_kernel.FOUND))
-        keys = smem.allocate_tensor(Uint32, cute.make_layout(self.capacity), 16)
+        hist, _, found, keys = self.allocate()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         end = cutlass.min(cutlass.max(Int32(ends[row]), Int32(0)), logits.shape[1])

@@ -494,6 +494,14 @@ def test_select_matches_the_contract():
     assert set(clusters) >= {key.cluster for key in firsts[: drawn[0]]}
 
 
+def aligned_rows(values: torch.Tensor) -> torch.Tensor:
+    """``values`` on the GPU in rows 16-byte aligned, as DeepGEMM's are."""
+    rows, width = values.shape
+    stride = -(-width // 8) * 8
+    padded = torch.zeros(rows, stride, dtype=values.dtype, device="cuda")
+    return padded[:, :width].copy_(values)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("width", [K + 1, 65536, 262144, WIDEST])
@@ -512,10 +520,8 @@ def test_select_edges(dtype, width):
         "specials": special[torch.arange(rows * width, device="cuda") % len(special)],
     }
     ends = torch.tensor(ends_list, dtype=I32, device="cuda")
-    stride = -(-width // 8) * 8  # DeepGEMM's rows are 16-byte aligned
     for name, value in values.items():
-        logits = torch.zeros(rows, stride, dtype=dtype, device="cuda")[:, :width]
-        logits.copy_(value.view(rows, width))
+        logits = aligned_rows(value.view(rows, width))
         got = SELECT(logits=logits, ends=ends, k=K)
         assert torch.equal(got, contract_topk(logits, ends, K)), name
 
@@ -553,11 +559,7 @@ def test_select_whole_bins(dtype, width):
     after it skipped), at each cluster size's widths, in 16-byte aligned
     rows: the contract's columns."""
     gen = torch.Generator().manual_seed(width)
-    values = whole_bin_rows(dtype, width, gen)
-    stride = -(-width // 8) * 8
-    logits = torch.zeros(values.shape[0], stride, dtype=dtype, device="cuda")
-    logits = logits[:, :width]
-    logits.copy_(values)
+    logits = aligned_rows(whole_bin_rows(dtype, width, gen))
     ends = torch.full((logits.shape[0],), width, dtype=I32, device="cuda")
     got = SELECT(logits=logits, ends=ends, k=K)
     assert torch.equal(got, contract_topk(logits, ends, K))
@@ -599,9 +601,7 @@ def test_select_zero_plateaus(dtype, width):
     gen = torch.Generator().manual_seed(width + 1)
     values = zero_plateau_rows(dtype, width, gen)
     rows = values.shape[0]
-    stride = -(-width // 8) * 8
-    logits = torch.zeros(2 * rows, stride, dtype=dtype, device="cuda")[:, :width]
-    logits.copy_(torch.cat([values, values]))
+    logits = aligned_rows(torch.cat([values, values]))
     ends = [width] * rows + [min(width, 3000 + 997 * r) for r in range(rows)]
     ends = torch.tensor(ends, dtype=I32, device="cuda")
     got = SELECT(logits=logits, ends=ends, k=K)

@@ -229,18 +229,10 @@ class SelectTopk:
         tid, _, _ = cute.arch.thread_idx()
         row = block // self.cluster
         rank = cute.arch.block_idx_in_cluster()
-        smem = cutlass.memory.SmemAllocator()
-        # Two histograms (a pass counts into one while its peers may still
-        # read the other's previous pass), the warp totals of two scans, and
-        # ``found`` (see ``select_row``).
-        hist = smem.allocate_tensor(Int32, cute.make_layout(2 * BINS), 16)
-        totals = smem.allocate_tensor(Int32, cute.make_layout(2 * WARPS))
-        found = smem.allocate_tensor(Int32, cute.make_layout(FOUND))
-        keys = smem.allocate_tensor(Uint32, cute.make_layout(self.capacity), 16)
+        shared = self.allocate()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         end = cutlass.min(cutlass.max(Int32(ends[row]), Int32(0)), logits.shape[1])
-        shared = (hist, totals, found, keys)
         if end <= self.k:
             if rank == 0:
                 # Every valid column, in order, then -1 (stock's bytes).
@@ -257,6 +249,19 @@ class SelectTopk:
                 self.select_row(logits, out, row, rank, end, tid, shared, True)
         else:
             self.select_row(logits, out, row, rank, end, tid, shared, False)
+
+    @cute.jit
+    def allocate(self):
+        """The CTA's shared memory: two histograms (a pass counts into one
+        while its peers may still read the other's previous pass), the warp
+        totals of two scans, ``found`` (see ``select_row``) and the slice's
+        keys."""
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(2 * BINS), 16)
+        totals = smem.allocate_tensor(Int32, cute.make_layout(2 * WARPS))
+        found = smem.allocate_tensor(Int32, cute.make_layout(FOUND))
+        keys = smem.allocate_tensor(Uint32, cute.make_layout(self.capacity), 16)
+        return hist, totals, found, keys
 
     @cute.jit
     def select_row(self, logits, out, row, rank, end, tid, shared, alone):
