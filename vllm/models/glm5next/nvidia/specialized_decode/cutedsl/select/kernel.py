@@ -46,7 +46,8 @@ logits with fewer than ``k`` positive), which pass 0 tells from its count of
 exact ``+0.0`` keys: the bin's other keys are above them. A row whose valid
 columns fit one CTA's shared keys (``end <= ALONE_KEYS``) is selected by CTA
 0 alone, with CTA barriers: a cluster barrier costs more than the slice
-saves there.
+saves there. Its passes are scanned by warp 0 alone (8 bins a lane), the
+CTA waiting for it at one barrier.
 """
 
 import cuda.bindings.driver as cuda
@@ -422,19 +423,28 @@ class SelectTopk:
                     # its peers') were done before the barrier above.
                     if tid < BINS:
                         hist[(1 - p % 2) * BINS + tid] = Int32(0)
-                digit, above, share, early = self.merge_find(
-                    p,
-                    prefix,
-                    shift,
-                    hist,
-                    current,
-                    remaining,
-                    tid,
-                    rank,
-                    totals,
-                    found,
-                    alone,
-                )
+                share = Int32(0)
+                if cutlass.const_expr(alone):
+                    # Warp 0 scans the CTA's counts, the CTA waits once.
+                    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                        self.find(
+                            p, prefix, shift, hist, current, remaining, tid, found
+                        )
+                    cute.arch.barrier()
+                    digit, above, early = found[0], found[1], found[4]
+                else:
+                    digit, above, share, early = self.merge_find(
+                        p,
+                        prefix,
+                        shift,
+                        hist,
+                        current,
+                        remaining,
+                        tid,
+                        rank,
+                        totals,
+                        found,
+                    )
                 prefix = prefix | (Uint32(digit) << Uint32(shift))
                 remaining = remaining - above
                 above_share = above_share + share
@@ -456,11 +466,9 @@ class SelectTopk:
         rank,
         totals,
         found,
-        alone,
     ):
-        """Sums the histograms of pass ``p`` (the cluster's, or this CTA's
-        where ``alone``; thread ``t`` takes bin ``BINS - 1 - t``: a
-        descending scan) and finds the digit whose bin
+        """Sums the cluster's histograms of pass ``p`` (thread ``t`` takes
+        bin ``BINS - 1 - t``: a descending scan) and finds the digit whose bin
         holds the ``remaining``-th largest matching key and the count above
         it, and whether the passes end here (1: the bin is taken whole, not
         where its lowest key is 0, which nothing is below; 2: pass 0, the
@@ -478,28 +486,22 @@ class SelectTopk:
         zeros = Int32(0)
         zeros_before = Int32(0)
         if tid < BINS:
-            if cutlass.const_expr(alone):
-                merged = hist[current + bin_digit]
-                if cutlass.const_expr(p == 0):  # noqa: SIM102
-                    if bin_digit == zero_digit:
-                        zeros = found[5]
-            else:
-                hist_at = Int32(hist.iterator.toint())
-                bin_at = hist_at + (current + bin_digit) * 4
-                for q in cutlass.range_constexpr(self.cluster):
-                    count = Int32(_load_peer(bin_at, q))
-                    merged = merged + count
-                    if q < rank:
-                        before = before + count
-                if cutlass.const_expr(p == 0):  # noqa: SIM102
-                    if bin_digit == zero_digit:
-                        zeros_at = Int32(found.iterator.toint()) + 5 * 4
-                        for q in cutlass.range_constexpr(self.cluster):
-                            count = Int32(_load_peer(zeros_at, q))
-                            zeros = zeros + count
-                            if q < rank:
-                                zeros_before = zeros_before + count
-        if cutlass.const_expr(last and not alone):
+            hist_at = Int32(hist.iterator.toint())
+            bin_at = hist_at + (current + bin_digit) * 4
+            for q in cutlass.range_constexpr(self.cluster):
+                count = Int32(_load_peer(bin_at, q))
+                merged = merged + count
+                if q < rank:
+                    before = before + count
+            if cutlass.const_expr(p == 0):  # noqa: SIM102
+                if bin_digit == zero_digit:
+                    zeros_at = Int32(found.iterator.toint()) + 5 * 4
+                    for q in cutlass.range_constexpr(self.cluster):
+                        count = Int32(_load_peer(zeros_at, q))
+                        zeros = zeros + count
+                        if q < rank:
+                            zeros_before = zeros_before + count
+        if cutlass.const_expr(last):
             cute.arch.cluster_arrive()
         above, _ = _block_scan(merged, totals, 0)
         if tid < BINS:  # noqa: SIM102
@@ -529,7 +531,7 @@ class SelectTopk:
         cute.arch.barrier()
         digit = found[0]
         early = found[4]
-        if cutlass.const_expr(not last and not alone):  # noqa: SIM102
+        if cutlass.const_expr(not last):  # noqa: SIM102
             if early != 0:
                 cute.arch.cluster_arrive()
         share = Int32(0)
@@ -541,6 +543,52 @@ class SelectTopk:
             if early == 2:
                 share = before - zeros_before
         return digit, found[1], share, early
+
+    @cute.jit
+    def find(self, p, prefix, shift, hist, current, remaining, lane, found):
+        """What ``merge_find`` finds, for a CTA alone, in warp 0 (a
+        1024-thread scan costs the pass more): lane ``l`` takes the 8 bins
+        below ``BINS - 8 l`` of the pass's histogram; the lane whose bins
+        hold the ``remaining``-th largest key walks them down and stores the
+        digit, the count above it and how the passes end (``found[0]``,
+        ``[1]``, ``[4]``)."""
+        low = (BINS - 8) - 8 * lane
+        at = Int32(hist.iterator.toint()) + (current + low) * 4
+        counts = [Int32(c) for c in _load_shared4(at) + _load_shared4(at + 16)]
+        lane_sum = counts[0]
+        for j in cutlass.range_constexpr(1, 8):
+            lane_sum = lane_sum + counts[j]
+        run = warp_prefix_sum(lane_sum) - lane_sum
+        # Nested: the DSL's ``and`` does not take two dynamic tests.
+        if run < remaining:  # noqa: SIM102
+            if remaining <= run + lane_sum:
+                digit = Int32(0)
+                above = Int32(0)
+                merged = Int32(0)
+                for j in cutlass.range_constexpr(7, -1, -1):
+                    c = counts[j]
+                    hit = Int32(run < remaining) & Int32(remaining <= run + c)
+                    if hit != 0:
+                        digit = low + j
+                        above = run
+                        merged = c
+                    run = run + c
+                found[0] = digit
+                found[1] = above
+                early = Int32(0)
+                if cutlass.const_expr(self.whole_exit):
+                    lowest = prefix | (Uint32(digit) << Uint32(shift))
+                    early = Int32(above + merged == remaining) & Int32(
+                        lowest > Uint32(0)
+                    )
+                if cutlass.const_expr(p == 0):
+                    at_zero = Int32(early == 0) & Int32(digit == self.zero_key >> shift)
+                    # The bin's keys other than +0.0 are above it.
+                    if at_zero != 0:  # noqa: SIM102
+                        if remaining > above + merged - found[5]:
+                            early = Int32(2)
+                            found[1] = above + merged - found[5]
+                found[4] = early
 
     @cute.jit
     def compact(self, start, n, tid, keys_at, out, row, threshold, need, found, totals):
