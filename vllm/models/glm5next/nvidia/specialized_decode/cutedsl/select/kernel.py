@@ -427,7 +427,7 @@ class SelectTopk:
                 if cutlass.const_expr(alone):
                     # Warp 0 scans the CTA's counts, the CTA waits once.
                     if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                        self.find(
+                        self.find_alone(
                             p, prefix, shift, hist, current, remaining, tid, found
                         )
                     cute.arch.barrier()
@@ -545,7 +545,7 @@ class SelectTopk:
         return digit, found[1], share, early
 
     @cute.jit
-    def find(self, p, prefix, shift, hist, current, remaining, lane, found):
+    def find_alone(self, p, prefix, shift, hist, current, remaining, lane, found):
         """What ``merge_find`` finds, for a CTA alone, in warp 0 (a
         1024-thread scan costs the pass more): lane ``l`` takes the 8 bins
         below ``BINS - 8 l`` of the pass's histogram; the lane whose bins
