@@ -470,9 +470,8 @@ class SelectTopk:
         """Sums the cluster's histograms of pass ``p`` (thread ``t`` takes
         bin ``BINS - 1 - t``: a descending scan) and finds the digit whose bin
         holds the ``remaining``-th largest matching key and the count above
-        it, and whether the passes end here (1: the bin is taken whole, not
-        where its lowest key is 0, which nothing is below; 2: pass 0, the
-        threshold is +0.0, whose count the bin's thread also sums). Returns
+        it, and whether the passes end here (``early_end``; +0.0's count is
+        summed by its bin's thread). Returns
         them with this thread's share of the count above the threshold in
         the ranks before ``rank``; the last pass, or +0.0, stores the count
         equal to it in those ranks (``found[2]``). The last pass, or an
@@ -508,23 +507,12 @@ class SelectTopk:
             if above < remaining and remaining <= above + merged:
                 found[0] = bin_digit
                 found[1] = above
-                lowest = prefix | (Uint32(bin_digit) << Uint32(shift))
-                early = Int32(0)
-                if cutlass.const_expr(self.whole_exit):
-                    early = Int32(above + merged == remaining) & Int32(
-                        lowest > Uint32(0)
-                    )
-                if cutlass.const_expr(p == 0):
-                    # The bin's keys other than +0.0 are above it.
-                    at_zero = (
-                        Int32(early == 0)
-                        & Int32(bin_digit == zero_digit)
-                        & Int32(remaining > above + merged - zeros)
-                    )
-                    if at_zero != 0:
-                        early = Int32(2)
-                        found[1] = above + merged - zeros
-                        found[2] = zeros_before
+                early = self.early_end(
+                    p, prefix, shift, bin_digit, above, merged, remaining, zeros
+                )
+                if early == 2:
+                    found[1] = above + merged - zeros
+                    found[2] = zeros_before
                 found[4] = early
                 if cutlass.const_expr(last):
                     found[2] = before
@@ -575,20 +563,36 @@ class SelectTopk:
                     run = run + c
                 found[0] = digit
                 found[1] = above
-                early = Int32(0)
-                if cutlass.const_expr(self.whole_exit):
-                    lowest = prefix | (Uint32(digit) << Uint32(shift))
-                    early = Int32(above + merged == remaining) & Int32(
-                        lowest > Uint32(0)
-                    )
+                zeros = Int32(0)
                 if cutlass.const_expr(p == 0):
-                    at_zero = Int32(early == 0) & Int32(digit == self.zero_key >> shift)
-                    # The bin's keys other than +0.0 are above it.
-                    if at_zero != 0:  # noqa: SIM102
-                        if remaining > above + merged - found[5]:
-                            early = Int32(2)
-                            found[1] = above + merged - found[5]
+                    zeros = found[5]
+                early = self.early_end(
+                    p, prefix, shift, digit, above, merged, remaining, zeros
+                )
+                if early == 2:
+                    found[1] = above + merged - zeros
                 found[4] = early
+
+    @cute.jit
+    def early_end(self, p, prefix, shift, digit, above, merged, remaining, zeros):
+        """How the passes end at pass ``p``'s threshold bin ``digit`` (``above``
+        keys above it, ``merged`` in it, ``zeros`` of them +0.0): 0, they go
+        on; 1, the bin is taken whole (FP32), unless its lowest key is 0,
+        which nothing is below; 2, pass 0's bin is +0.0's and the set needs
+        more than the bin's other keys, which are above +0.0: the threshold
+        is +0.0."""
+        early = Int32(0)
+        if cutlass.const_expr(self.whole_exit):
+            lowest = prefix | (Uint32(digit) << Uint32(shift))
+            early = Int32(above + merged == remaining) & Int32(lowest > Uint32(0))
+        if cutlass.const_expr(p == 0):
+            at_zero = (
+                Int32(early == 0)
+                & Int32(digit == self.zero_key >> shift)
+                & Int32(remaining > above + merged - zeros)
+            )
+            early = early + 2 * at_zero
+        return early
 
     @cute.jit
     def compact(self, start, n, tid, keys_at, out, row, threshold, need, found, totals):
