@@ -18,7 +18,8 @@
 #       the select's GPU tests (SELECT_TESTS), KPOOL_FUZZ_CASES (10000) cases
 #       a fuzz loop
 #   gpu_tier.sh --select-ncu     ncu sections of one select launch at 1, 8 and
-#                                64 rows of 65536 FP32 pools (select_launch.py)
+#                                64 rows of 65536 FP32 pools (select_launch.py),
+#                                and the stall samples of each SASS line (CSV)
 #   gpu_tier.sh --summarize [--strict] XML...
 #       the summary line of pytest JUnit XMLs (--strict: a skip fails too)
 #
@@ -118,12 +119,19 @@ case ${1:-} in
     setup
     status=0
     for rows in 1 8 64; do
-      log="$logs/select_ncu_${rows}x65536.txt"
-      timeout 180 ncu --clock-control none -k regex:Select -c 1 --section SpeedOfLight \
+      # Three launches, the sections and the stall samples of each SASS
+      # line (--page source, CSV: where the warps wait).
+      rep="$logs/select_ncu_${rows}x65536"
+      timeout 240 ncu --clock-control none -k regex:Select -c 3 --section SpeedOfLight \
         --section WarpStateStats --section Occupancy --section LaunchStats \
-        python3 tools/kernel_env/select_launch.py "$rows" 65536 float32 >"$log" 2>&1 || status=1
-      echo "select ncu, $rows rows of 65536 FP32 pools ($log):"
-      grep -E "^key|Duration|Warp Cycles Per Issued|Achieved Occupancy" "$log" || tail -3 "$log"
+        --section SourceCounters --warp-sampling-interval 0 -f -o "$rep" \
+        python3 tools/kernel_env/select_launch.py "$rows" 65536 float32 >"$rep.log" 2>&1 &&
+        ncu -i "$rep.ncu-rep" >"$rep.txt" 2>&1 &&
+        ncu -i "$rep.ncu-rep" --page source --print-source sass --csv >"$rep.csv" 2>&1 ||
+        status=1
+      echo "select ncu, $rows rows of 65536 FP32 pools ($rep.txt, $rep.csv):"
+      grep -E "^key" "$rep.log"
+      grep -E "Duration|Warp Cycles Per Issued|Achieved Occupancy" "$rep.txt" || tail -3 "$rep.log"
     done
     exit $status ;;
   *)  # anything else is pytest's (-k EXPR, --tb=short, ...); a wrong mode fails there
