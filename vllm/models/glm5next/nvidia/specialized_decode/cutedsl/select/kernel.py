@@ -471,12 +471,11 @@ class SelectTopk:
         bin ``BINS - 1 - t``: a descending scan) and finds the digit whose bin
         holds the ``remaining``-th largest matching key and the count above
         it, and whether the passes end here (``early_end``; +0.0's count is
-        summed by its bin's thread). Returns
-        them with this thread's share of the count above the threshold in
-        the ranks before ``rank``; the last pass, or +0.0, stores the count
-        equal to it in those ranks (``found[2]``). The last pass, or an
-        early end, arrives at the exit barrier once done reading the
-        peers."""
+        summed by its bin's thread). Returns them with this thread's share
+        of the count above the threshold in the ranks before ``rank``; the
+        last pass, or +0.0, stores the count equal to it in those ranks
+        (``found[2]``). The last pass, or an early end, arrives at the exit
+        barrier once done reading the peers."""
         last = p + 1 == len(self.digits)
         bin_digit = (BINS - 1) - tid
         zero_digit = self.zero_key >> shift
