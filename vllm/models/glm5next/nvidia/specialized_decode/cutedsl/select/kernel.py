@@ -455,17 +455,7 @@ class SelectTopk:
 
     @cute.jit
     def merge_find(
-        self,
-        p,
-        prefix,
-        shift,
-        hist,
-        current,
-        remaining,
-        tid,
-        rank,
-        totals,
-        found,
+        self, p, prefix, shift, hist, current, remaining, tid, rank, totals, found
     ):
         """Sums the cluster's histograms of pass ``p`` (thread ``t`` takes
         bin ``BINS - 1 - t``: a descending scan) and finds the digit whose bin
