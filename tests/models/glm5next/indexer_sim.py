@@ -727,11 +727,13 @@ def build_stage(model: Model, registry, *, max_rows=None, select=False, warm=Tru
     it on: a ``KpoolStage`` added to ``registry`` (a ``StageRegistry``: the
     model's ``SPECIALIZED_KPOOL``) by its top-k buffer, then (``warm``) its
     ``StageWarmup``, self-check off (it has its own tests): every key it
-    derives compiled, the stage's executors set."""
+    derives compiled, the stage's executors set. ``select``: ``kpool_select``'s
+    value."""
     geo = model.sim.geo
     stage = stage_module.KpoolStage(
         model.attentions, geo.capacity if max_rows is None else max_rows,
-        model.buffer.device, mx_scales=model.sim.backend.mx, select=select,
+        model.buffer.device, mx_scales=model.sim.backend.mx,
+        select=select is not False, select_one_wave=select == "one_wave",
     )  # fmt: skip
     registry.add(stage, model.buffer)
     model.stage, model.kpool = stage, registry

@@ -193,19 +193,19 @@ BAD = [
     pytest.param(
         {"kpool_select": "yes"},
         {},
-        "additional_config kpool_select='yes': expected true or false",
+        "additional_config kpool_select='yes': expected true, false or \"one_wave\"",
         id="select-str",
     ),
     pytest.param(
         {"kpool_select": 1},
         {},
-        "additional_config kpool_select=1: expected true or false",
+        'additional_config kpool_select=1: expected true, false or "one_wave"',
         id="select-int",
     ),
     pytest.param(
         {"kpool_select": None},
         {},
-        "additional_config kpool_select=None: expected true or false",
+        'additional_config kpool_select=None: expected true, false or "one_wave"',
         id="select-none",
     ),
 ]
@@ -293,11 +293,16 @@ def test_self_check_seed(gpu, make_config, monkeypatch, value, seed):
     assert (SEED_ENV in config.given) is bool(value)
 
 
-@pytest.mark.parametrize("value", [True, False])
-def test_select_is_opt_in(gpu, make_config, value):
-    """``kpool_select`` (default false) turns on the select, a bool only."""
+@pytest.mark.parametrize(
+    "value, select, one_wave", [(True, True, False), (False, False, False),
+                                ("one_wave", True, True)]
+)  # fmt: skip
+def test_select_is_opt_in(gpu, make_config, value, select, one_wave):
+    """``kpool_select`` (default false) turns on the select at every batch
+    size (true) or only where one wave holds the rows ("one_wave")."""
     assert read(make_config, ON).select is False
-    assert read(make_config, {**ON, "kpool_select": value}).select is value
+    config = read(make_config, {**ON, "kpool_select": value})
+    assert (config.select, config.select_one_wave) == (select, one_wave)
 
 
 def test_left_out_stage_needs_nothing(gpu, make_config):

@@ -164,17 +164,63 @@ def test_install_on_sm100_logs_mx_scales(installed, make_config, mx_scales):
     )
 
 
-def test_install_with_the_select_logs_it(installed, make_config, monkeypatch):
+@pytest.mark.parametrize(
+    "value, rows", [(True, "every batch"), ("one_wave", "one wave of rows")]
+)
+def test_install_with_the_select_logs_it(installed, make_config, monkeypatch,
+                                         value, rows):  # fmt: skip
     from vllm.models.glm5next.nvidia.specialized_decode.runtime import stage
 
     monkeypatch.setattr(stage, "sm_count", lambda index: 132)
-    config = make_config(additional_config={**ON, "kpool_select": True})
+    config = make_config(additional_config={**ON, "kpool_select": value})
     built = install.install(config, attentions(1))
     assert built.select and built.sms == 132
+    assert built.select_one_wave is (value == "one_wave")
     [(_, line)] = installed()
-    assert line.endswith(
-        f"{UPCAST}select (opt-in, one wave of rows), fused expand + remap."
-    )
+    assert line.endswith(f"{UPCAST}select (opt-in, {rows}), fused expand + remap.")
+
+
+@pytest.mark.parametrize(
+    "value, level, says",
+    [
+        (True, "info", "selects with kpool_select at every batch size"),
+        ("one_wave", "warning", "stock's past one wave of rows, which is not"),
+        (False, "warning", "top-k is stock's, which is not batch-invariant"),
+    ],
+)
+def test_batch_invariant_mode_says_what_the_top_k_is(
+    installed, make_config, monkeypatch, value, level, says
+):
+    """Under ``VLLM_BATCH_INVARIANT=1`` one line says whether the indexer's
+    decode top-k is batch-invariant (the select at every batch size) or
+    not (stock's); without it, no such line."""
+    import vllm.logger
+    from vllm import envs
+    from vllm.models.glm5next.nvidia.specialized_decode.runtime import stage
+
+    monkeypatch.setattr(stage, "sm_count", lambda index: 132)
+    config = make_config(additional_config={**ON, "kpool_select": value})
+    install.install(config, attentions(1))
+    assert [m for _, m in installed() if "BATCH_INVARIANT" in m] == []
+    sparse_indexer.SPECIALIZED_KPOOL = None
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
+    vllm.logger._print_info_once.cache_clear()
+    vllm.logger._print_warning_once.cache_clear()
+    install.install(config, attentions(1))
+    [(got, line)] = [(lv, m) for lv, m in installed() if "BATCH_INVARIANT" in m]
+    assert got == level and says in line, line
+
+
+def test_sparse_mla_backends_declare_no_batch_invariance():
+    """vLLM 0.33.0's selector refuses a backend without batch invariance
+    under ``VLLM_BATCH_INVARIANT=1``; none of GLM-5-Next's three sparse MLA
+    backends declares it, so that mode does not start GLM-5-Next there."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    for name in ("FLASHINFER_MLA_SPARSE", "FLASHINFER_MLA_SPARSE_SM90",
+                 "FLASHMLA_SPARSE"):  # fmt: skip
+        backend = AttentionBackendEnum[name].get_class()
+        assert backend.supports_batch_invariance() is False, name
 
 
 def hisparse(group):

@@ -208,10 +208,22 @@ def test_select_of_bf16_logits(sm100, bench, references):
     assert_same_sets(b, got)
 
 
-def test_select_declines_past_one_wave(monkeypatch, bench):
-    """Rows whose clusters take a second wave run stock's upcast and top-k
-    (vLLM's torch top-k on both sides: stock's bytes)."""
+def test_select_runs_past_one_wave(monkeypatch, bench, references):
+    """With ``kpool_select`` true, rows whose clusters take a second wave
+    still select (the stock stand-in as ``test_select_opted_in``'s)."""
+    references(topk=contract_decode_topk)
     b = bench(Step([1, 1, 1], [2100, 2403, 2190], seed=36, **GLM), select=True)
+    monkeypatch.setattr(stage_module, "one_wave", lambda *args: False)
+    got = b.run()
+    assert b.routes == SELECTED
+    assert_same_sets(b, got)
+
+
+def test_one_wave_select_declines_past_one_wave(monkeypatch, bench):
+    """With ``kpool_select="one_wave"``, rows whose clusters take a second
+    wave run stock's upcast and top-k (vLLM's torch top-k on both sides:
+    stock's bytes)."""
+    b = bench(Step([1, 1, 1], [2100, 2403, 2190], seed=36, **GLM), select="one_wave")
     monkeypatch.setattr(stage_module, "one_wave", lambda *args: False)
     got = b.run()
     assert b.routes == DEFERRED

@@ -161,24 +161,28 @@ def select_keys(rows: int, width: int) -> set:
     }
 
 
+@pytest.mark.parametrize("one_wave", [False, True], ids=["every-batch", "one-wave"])
 @pytest.mark.parametrize("width", [65536, 262144])
 @pytest.mark.parametrize("max_rows", [8, 70])
-def test_select_keys_are_each_row_count_of_one_wave(width, max_rows):
+def test_select_keys_are_each_row_count_it_runs(width, max_rows, one_wave):
     """The select's keys are those of every row count from 1 to the stage's
-    rows whose clusters fit one wave (``LayerStep.select`` runs no other):
-    1-66 rows at 65536 pools, 1-16 at 262144, on 132 SMs."""
+    rows; with ``kpool_select="one_wave"`` of those whose clusters fit one
+    wave (``LayerStep.select`` runs no other): 1-66 rows at 65536 pools,
+    1-16 at 262144, on 132 SMs."""
     stage = SimpleNamespace(
-        mx_scales=False, select=True, fuse=True, max_rows=max_rows, sms=132
-    )
+        mx_scales=False, select=True, fuse=True, max_rows=max_rows, sms=132,
+        select_one_wave=one_wave,
+    )  # fmt: skip
     values = dict(
         (kernel, v)
         for kernel, v in warmup.deployment_values(stage, [_layer(width)])
         if kernel is SELECT
     )[SELECT]
     assert values == dict(
-        max_rows=max_rows, k=512, dtype=torch.float32, width=width, sms=132
-    )
-    wave = 66 if width == 65536 else 16
+        max_rows=max_rows, one_wave_only=one_wave, k=512, dtype=torch.float32,
+        width=width, sms=132,
+    )  # fmt: skip
+    wave = (66 if width == 65536 else 16) if one_wave else max_rows
     keys = SELECT.get_warmup_keys(**values)
     assert set(keys) == select_keys(min(max_rows, wave), width)
 

@@ -12,8 +12,10 @@ into a ``DecodeConfig``, and what a deployment must have to run the
 - ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED``: the self-check's seed (an
   integer; default a fresh one each warmup);
 - ``kpool_select``: ``true`` runs the stage's own pool top-k (the same set
-  as stock's, in ascending pool order: not stock's bytes), default
-  ``false``.
+  as stock's, in ascending pool order: not stock's bytes) at every batch
+  size, so that a row's pools do not depend on its batch; ``"one_wave"``
+  only where every row's cluster is resident at once (stock's top-k, faster
+  on FP32 logits there, for larger batches); default ``false``.
 
 Every setting is read and checked first, whatever the backend: a bad value
 raises a ``ValueError`` that echoes it and says where it came from. Then,
@@ -47,6 +49,8 @@ SELF_CHECK_ENV = "VLLM_GLM5NEXT_KPOOL_SELF_CHECK"
 SELF_CHECK_SEED_ENV = "VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED"
 SELF_CHECK_MODES = ("on", "off", "strict")
 SELECT_KEY = "kpool_select"
+# kpool_select's values: off, every batch size, one wave of clusters.
+SELECT_VALUES = (False, True, "one_wave")
 CONFIG_KEYS = (BACKEND_KEY, SKIP_KEY, SELF_CHECK_KEY, SELECT_KEY)
 ENV_VARS = (SELF_CHECK_ENV, SELF_CHECK_SEED_ENV)
 
@@ -60,8 +64,10 @@ class DecodeConfig:
     # fresh one each warmup).
     self_check: str = "on"
     self_check_seed: int | None = None
-    # The opt-in pool select in place of stock's top-k (not stock's bytes).
+    # The opt-in pool select in place of stock's top-k (not stock's bytes),
+    # at every batch size or (select_one_wave) where one wave holds its rows.
     select: bool = False
+    select_one_wave: bool = False
     # The settings given (config keys and environment variables), by name.
     given: tuple[str, ...] = ()
 
@@ -94,14 +100,17 @@ def read_settings(extra: dict, environ) -> DecodeConfig:
                 f"environment {SELF_CHECK_SEED_ENV}={seed!r}: expected an integer"
             ) from None
     select = extra.get(SELECT_KEY, False)
-    if not isinstance(select, bool):
-        raise _bad(SELECT_KEY, select, "true or false")
+    if not any(
+        select is v if isinstance(v, bool) else select == v for v in SELECT_VALUES
+    ):
+        raise _bad(SELECT_KEY, select, 'true, false or "one_wave"')
     return DecodeConfig(
         backend=backend,
         stages=tuple(name for name in STAGES if name not in skip),
         self_check=mode,
         self_check_seed=seed,
-        select=select,
+        select=select is not False,
+        select_one_wave=select == "one_wave",
         given=given,
     )
 

@@ -88,6 +88,7 @@ def install(vllm_config, attentions):
         buffer.device,
         mx_scales=mqa_logits_use_mx_scales(),
         select=config.select,
+        select_one_wave=config.select_one_wave,
     )
     registry().add(stage, buffer)
     warmup = StageWarmup(stage, attentions, config.self_check, config.self_check_seed)
@@ -101,4 +102,29 @@ def install(vllm_config, attentions):
         type(attentions[0].mla_attn.mla_attn.impl).__name__,
         "; ".join(stage.engagement(attentions)),
     )
+    say_batch_invariance(stage)
     return stage
+
+
+def say_batch_invariance(stage) -> None:
+    """Under vLLM's batch-invariant mode, says once whether the indexer's
+    decode top-k is batch-invariant: the select at every batch size is,
+    stock's top-k (its order and ties from atomics) is not."""
+    from vllm import envs
+
+    if not envs.VLLM_BATCH_INVARIANT:
+        return
+    if stage.select and not stage.select_one_wave:
+        logger.info_once(
+            "GLM-5-Next specialized decode: VLLM_BATCH_INVARIANT=1: the kpool "
+            "indexer's decode selects with kpool_select at every batch size; a "
+            "row's pools, slots and counts do not depend on its batch."
+        )
+    else:
+        logger.warning_once(
+            "GLM-5-Next specialized decode: VLLM_BATCH_INVARIANT=1, but the "
+            "kpool indexer's decode top-k is stock's%s, which is not "
+            "batch-invariant; set additional_config kpool_select=true for a "
+            "batch-invariant select.",
+            " past one wave of rows" if stage.select else "",
+        )

@@ -117,15 +117,19 @@ class LayerStep:
     def select(self, logits, ends, k: int, out) -> bool:
         """The opt-in select of the top ``k`` pools below ``ends`` into
         ``out``, where the deployment opted in, the step defers (its pool
-        order reaches no consumer as logical rows), its rows fit one wave
-        (beyond, stock's top-k is faster) and this stage's warmup compiled
-        the key. It reads the logits as DeepGEMM gives them (BF16 or FP32:
-        no upcast)."""
+        order reaches no consumer as logical rows) and this stage's warmup
+        compiled the key: at every batch size, so that a row's pools do not
+        depend on its batch, or (``select_one_wave``) only where one wave of
+        clusters holds the rows. It reads the logits as DeepGEMM gives them
+        (BF16 or FP32: no upcast)."""
         stage = self.stage
         return (
             stage.select
             and self.deferring
-            and one_wave(logits.shape[0], logits.shape[1], logits.dtype, stage.sms)
+            and (
+                not stage.select_one_wave
+                or one_wave(logits.shape[0], logits.shape[1], logits.dtype, stage.sms)
+            )
             and stage.launch(SELECT, logits=logits, ends=ends, k=k, out=out)
             is not STOCK
         )
@@ -140,8 +144,9 @@ class KpoolStage:
     executors its warmup compiled and self-checked (``executors``: none
     before, and no step is planned before), the scale format
     (``mx_scales``, read once at install), the pool buffer deferring steps
-    write, whether the opt-in select runs (``select``, with the SMs its
-    one-wave rule counts) and each fused layer's ``FusedRemap``. Where every
+    write, whether the opt-in select runs (``select``; ``select_one_wave``:
+    only where one wave holds the rows, with the SMs its rules count) and
+    each fused layer's ``FusedRemap``. Where every
     DSA layer's index group can take a ``FusedRemap`` (``fuse``), the
     indexer leaves its decode rows as pool ids and skips filling the logical
     top-k buffer, which no consumer reads; ``why_not_fused`` says, per
@@ -156,9 +161,11 @@ class KpoolStage:
         *,
         mx_scales: bool,
         select: bool = False,
+        select_one_wave: bool = False,
     ):
         attentions = list(attentions)
         self.max_rows, self.mx_scales, self.select = max_rows, mx_scales, select
+        self.select_one_wave = select and select_one_wave
         self.executors: dict = {}
         device = torch.device(device)
         # A CUDA tensor's device always carries its index.
@@ -326,7 +333,8 @@ class KpoolStage:
             if self.fuse:
                 tail = "fused expand + remap"
                 if self.select:
-                    tail = f"select (opt-in, one wave of rows), {tail}"
+                    rows = "one wave of rows" if self.select_one_wave else "every batch"
+                    tail = f"select (opt-in, {rows}), {tail}"
             else:
                 tail = f"expand, stock conversion ({why or 'another layer is not'})"
             lines.append(f"{name}: update ({scales}), {upcast}, {tail}")

@@ -85,6 +85,7 @@ def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
                     SELECT,
                     dict(
                         max_rows=stage.max_rows,
+                        one_wave_only=stage.select_one_wave,
                         k=groups,
                         dtype=logits,
                         width=indexer.max_pool_len,

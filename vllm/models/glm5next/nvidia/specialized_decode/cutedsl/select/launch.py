@@ -61,9 +61,9 @@ def cluster_for(rows: int, width: int, dtype: torch.dtype, sms: int) -> int | No
 @functools.cache
 def one_wave(rows: int, width: int, dtype: torch.dtype, sms: int) -> bool:
     """Whether the clusters of ``rows`` rows of ``width`` columns are all
-    resident at once on ``sms`` SMs. The stage runs the select only then:
-    a second wave costs the select more than stock's top-k, whose CTAs a row
-    follow the row's end."""
+    resident at once on ``sms`` SMs. Past one wave the select costs more than
+    stock's top-k on FP32 logits (``kpool_select="one_wave"`` then takes
+    stock's)."""
     cluster = cluster_for(rows, width, dtype, sms)
     if cluster is None:
         return False
@@ -150,10 +150,14 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
             capacity=slice_capacity(width, dtype, cluster),
         )
 
-    def get_warmup_keys(self, *, max_rows: int, **dispatch_values) -> list[CompileKey]:
-        """The keys of 1 to ``max_rows`` rows that fit one wave."""
+    def get_warmup_keys(
+        self, *, max_rows: int, one_wave_only: bool = False, **dispatch_values
+    ) -> list[CompileKey]:
+        """The keys of 1 to ``max_rows`` rows (``one_wave_only``: of those
+        that fit one wave)."""
+        when = {"_when": in_one_wave} if one_wave_only else {}
         return self._trace_dispatch(self.dispatch)(
-            rows=WarmupIntRange(1, max_rows + 1), _when=in_one_wave, **dispatch_values
+            rows=WarmupIntRange(1, max_rows + 1), **when, **dispatch_values
         )
 
     def spec(
