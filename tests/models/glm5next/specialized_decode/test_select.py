@@ -341,20 +341,23 @@ def test_sm_count_reads_the_device_index(monkeypatch):
 WIDTHS = (1000, 1024, 16384 + 8, 65536, 100000, 262144, WIDEST)
 
 
-def test_warmup_keys_are_what_spec_derives():
+@pytest.mark.parametrize("one_wave_only", [False, True])
+def test_warmup_keys_are_what_spec_derives(one_wave_only):
     """``get_warmup_keys(max_rows=R, ...)`` lists the keys ``spec`` derives
-    for 1 to R rows of the width, of those that fit one wave, each once."""
+    for 1 to R rows of the width (``one_wave_only``: of those that fit one
+    wave), each once."""
     from rule_edges import allow_cpu
 
     for dtype in (F32, BF16):
         for width in WIDTHS:
             listed = SELECT.get_warmup_keys(
-                max_rows=64, k=K, dtype=dtype, width=width, sms=SMS
-            )
+                max_rows=80, one_wave_only=one_wave_only, k=K, dtype=dtype,
+                width=width, sms=SMS,
+            )  # fmt: skip
             derived = {}
             with allow_cpu():
-                for rows in range(1, 65):
-                    if one_wave(rows, width, dtype, SMS):
+                for rows in range(1, 81):
+                    if not one_wave_only or one_wave(rows, width, dtype, SMS):
                         logits = torch.zeros(1, width, dtype=dtype).expand(rows, -1)
                         ends = torch.zeros(rows, dtype=I32)
                         derived[SELECT.spec(logits=logits, ends=ends, k=K)[0]] = None
@@ -524,6 +527,113 @@ def test_select_edges(dtype, width):
         logits = aligned_rows(value.view(rows, width))
         got = SELECT(logits=logits, ends=ends, k=K)
         assert torch.equal(got, contract_topk(logits, ends, K)), name
+
+
+# Batch sizes of the invariance test: one row, small batches, one wave and
+# past it (132 SMs: 66 rows of 64K FP32 pools, 16 of 256K), the largest.
+BATCHES = (1, 2, 3, 8, 17, 64, 67, 100, 131, 200, 256)
+PROBES = 6
+
+
+def _probe_rows(dtype, width: int, gen: torch.Generator):
+    """``PROBES`` rows of a request each: random normals (two of them with a
+    plateau of equal values across the threshold), ends full, random, short
+    and at most ``K``; positions; a block table row each."""
+    g = dict(device="cuda", generator=gen)
+    logits = torch.randn(PROBES, width, **g).to(dtype)
+    logits[1, : width // 2] = 1.0
+    logits[4, ::3] = 0.0
+    ends = torch.tensor([width, width, K, width // 3, 1 + width // 7, width - 5])
+    ends = ends.to(I32).cuda()
+    pages = 4 * width // 64 + 1
+    table = torch.randint(0, 1 << 20, (PROBES, pages), **g).to(I32)
+    return logits, ends, table
+
+
+def _select_and_remap(logits, ends, table):
+    """The opt-in select and the fused remap of the rows (the stage's chain
+    after the scores): pool ids, physical slots, counts."""
+    from vllm.models.glm5next.nvidia.specialized_decode import kpool
+
+    rows = logits.shape[0]
+    pool_ids = kpool.select_topk(logits, ends, K)
+    positions = ends.long() * 4 + 2
+    width = K * 4 + 3
+    slots = torch.full((rows, -(-width // 128) * 128), 7, dtype=I32, device="cuda")
+    counts = torch.full((rows,), 7, dtype=I32, device="cuda")
+    req_ids = torch.arange(rows, dtype=I32, device="cuda")
+    kpool.expand_and_remap(
+        pool_ids,
+        positions,
+        4,
+        req_ids,
+        table,
+        slots,
+        counts,
+        block_size=64,
+        stride_rows=64,
+    )
+    return pool_ids, slots, counts
+
+
+@pytest.mark.gpu
+def test_select_and_remap_bytes_do_not_depend_on_the_batch():
+    """``PROBES`` rows at random places of batches of 1 to 256 rows beside
+    random neighbours (FP32 and BF16, 16K to 256K pools): every byte of
+    their pool ids, slots and counts equals what they get alone, and alone
+    their pool ids are the contract's."""
+    seed = fuzz_seed()
+    gen = torch.Generator("cuda").manual_seed(seed)
+    rng = random.Random(seed)
+    batches = compared = 0
+    failures = []
+    for dtype in (F32, BF16):
+        for width in (16384, 65536, 262144):
+            logits, ends, table = _probe_rows(dtype, width, gen)
+            alone = [
+                _select_and_remap(logits[i : i + 1], ends[i : i + 1], table[i : i + 1])
+                for i in range(PROBES)
+            ]
+            want = contract_topk(logits, ends, K)
+            for i, (ids, _, _) in enumerate(alone):
+                if not torch.equal(ids[0], want[i]):
+                    failures.append(f"{dtype} {width} probe {i}: not the contract")
+            for batch in BATCHES:
+                batches += 1
+                places = rng.sample(range(batch), min(batch, PROBES))
+                probes = rng.sample(range(PROBES), len(places))
+                x = torch.randn(batch, width, device="cuda", generator=gen).to(dtype)
+                e = torch.randint(
+                    1, width + 1, (batch,), device="cuda", generator=gen
+                ).to(I32)
+                t = torch.randint(
+                    0, 1 << 20, (batch, table.shape[1]), device="cuda", generator=gen
+                ).to(I32)
+                for place, probe in zip(places, probes, strict=True):
+                    x[place], e[place], t[place] = (
+                        logits[probe],
+                        ends[probe],
+                        table[probe],
+                    )
+                got = _select_and_remap(x, e, t)
+                for place, probe in zip(places, probes, strict=True):
+                    for name, out, ref in zip(
+                        ("ids", "slots", "counts"), got, alone[probe], strict=True
+                    ):
+                        a, b = (
+                            o.view(torch.uint8) for o in (out[place : place + 1], ref)
+                        )
+                        compared += a.numel()
+                        if not torch.equal(a, b):
+                            failures.append(
+                                f"{dtype} {width} batch {batch} row "
+                                f"{place} (probe {probe}): {name} differ"
+                            )
+    FUZZ_REPORT.append(
+        f"select batch invariance: {batches} batches of 1-256 rows, seed {seed}, "
+        f"{compared} bytes compared, {len(failures)} mismatches"
+    )
+    assert not failures, "\n".join(failures[:10])
 
 
 def whole_bin_rows(dtype, width: int, gen: torch.Generator) -> torch.Tensor:
