@@ -59,6 +59,10 @@ class Plan:
     select_rows: tuple = ((1, 1), (1, 8), (1, 64), (1, 256), (4, 4), (4, 32), (4, 256))
     ends: tuple = ("full", "random", "short")
     relu_widths: tuple = (65536, 262144)  # indexer-like logits: full ends, next_n 1
+    step_rows: tuple = (1, 4, 8, 32, 64)  # requests of the step cases
+    step_next_n: tuple = (1, 2)
+    step_pools: tuple = (4096, 16384, 65536, 131072, 262144)
+    step_heads: tuple = (32,)  # GLM-5-Next's 16 index heads as vLLM pads them
     rep_ms: float = 5.0  # ms of calls a graph
     eager_calls: int = 50  # calls a timing
     eager_repeats: int = 7  # timings a side
@@ -67,7 +71,8 @@ class Plan:
 QUICK = Plan(
     rows=(1, 64, 256), tokens=(1,), upcast_rows=(1, 64, 256), widths=(65536, 262144),
     select_rows=((1, 1), (1, 64), (4, 256)), ends=("full", "random"),
-    relu_widths=(262144,), rep_ms=2.0, eager_calls=30, eager_repeats=5,
+    relu_widths=(262144,), step_rows=(1, 64), step_next_n=(1,), step_pools=(65536,),
+    rep_ms=2.0, eager_calls=30, eager_repeats=5,
 )
 
 
@@ -85,8 +90,11 @@ def cases(plan: Plan) -> list[dict]:
     out += [dict(path=p, rows=r, width=w, context=f"{e}, next_n {n}" if n > 1 else e,
                  logits="randn") for p, w, (n, r), e in grid]
     ones = [r for n, r in plan.select_rows if n == 1]
-    return out + [dict(path=p, rows=r, width=w, context="full", logits=s)
-                  for p, w, s, r in P(SELECT_PATHS, plan.relu_widths, SHARES, ones)]
+    out += [dict(path=p, rows=r, width=w, context="full", logits=s)
+            for p, w, s, r in P(SELECT_PATHS, plan.relu_widths, SHARES, ones)]
+    steps = P(plan.step_heads, plan.step_next_n, plan.step_pools, plan.step_rows)
+    return out + [dict(case="step", rows=r, next_n=n, context=c, heads=h)
+                  for h, n, c, r in steps]
 # fmt: on
 
 
@@ -171,6 +179,35 @@ def topk_inputs(rows, dev, gen, positions=None, tokens=1 << 18) -> dict:
     )
 
 
+def score_inputs(requests, next_n, heads, ends, dev, gen) -> dict:
+    """DeepGEMM's paged scores' arguments on SM90 (FP32 scales) for
+    ``requests`` x ``next_n`` rows ending at ``ends`` pools: FP8 queries
+    (their scale folded into the FP32 weights, as the indexer does), each
+    request's pages of ``BLOCK`` pools in random places of the cache (a page:
+    its FP8 keys, then their FP32 scales), its block table, the 2-D pool
+    lengths and DeepGEMM's schedule for them."""
+    g = dict(device=dev, generator=gen)
+    pages = -(-int(ends.max()) // BLOCK)
+    table = torch.randperm(requests * pages, **g).view(requests, pages).int()
+    cache = torch.randn(requests * pages, BLOCK * (DIM + 4), **g)
+    cache = cache.to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = torch.rand(requests * pages, BLOCK, **g) * 0.01 + 0.001
+    cache[:, BLOCK * DIM :] = scales.view(torch.uint8)
+    lens = ends.view(requests, next_n)
+    q = torch.randn(requests, next_n, heads, DIM, **g).to(torch.float8_e4m3fn)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    return dict(
+        q=(q, None),
+        kv_cache=cache.view(-1, BLOCK, 1, DIM + 4),
+        weights=torch.rand(requests * next_n, heads, **g) * 0.1,
+        context_lens=lens,
+        block_table=table,
+        schedule_meta=K.deep_gemm.get_paged_mqa_logits_metadata(
+            lens, BLOCK, sms // (2 if next_n == 4 else 1)
+        ),
+    )
+
+
 MX = (lambda: False, lambda: True)  # what the stock update reads the format from
 
 
@@ -245,6 +282,29 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
         ours = p(calls, [ours_select, p(ours_remap, t, True)])
         return [("select", [stock_topk], [ours_select]),
                 ("chain", [stock], [ours])], {}
+    if kind == "step":  # the indexer decode after the query, DeepGEMM's on
+        n, pools = case["next_n"], case["context"]
+        e = draw_ends(rows, n, pools, "full", dev, gen)
+        s = score_inputs(rows, n, case["heads"], e, dev, gen)
+        t = topk_inputs(rows * n, dev, gen, e.to(torch.int64) * POOL + 2, pools * POOL)
+        max_seq_len, lens = POOL * pools, s["context_lens"]
+        scores = p(K.deep_gemm.fp8_fp4_paged_mqa_logits, **s, max_context_len=pools)
+
+        def stock():  # as_fp32_logits returns SM90's FP32 scores as they are
+            logits = K.as_fp32_logits(scores(), e)
+            K.stock_topk(logits, lens, t["pool_topk"], K_POOLS, max_seq_len)
+            stock_remap(t, True)
+
+        def ours(select):
+            logits = scores()
+            if select:
+                K.select_topk(logits, e, K_POOLS, out=t["pool_topk"])
+            else:
+                K.stock_topk(logits, lens, t["pool_topk"], K_POOLS, max_seq_len)
+            ours_remap(t, True)
+
+        return [("step", [stock], [p(ours, False)]),
+                ("step_select", [stock], [p(ours, True)])], dict(alone=scores)
     u = update_inputs(rows, case.get("tokens", 1), dev, gen)
     t = topk_inputs(rows, dev, gen)
     if kind == "update":
@@ -314,11 +374,13 @@ def measure(case: dict, plan: Plan, dev, copy_gbs: float) -> dict:
     row = dict(case)
     for pair, stock, ours in pairs:
         figures = {"graph": [graph_us(stock, plan.rep_ms), graph_us(ours, plan.rep_ms)]}
-        if pair != "select":  # the top-k alone: graph only
+        if pair not in ("select", "scores"):  # the top-k, the scores: graph only
             figures["eager"] = eager_us(stock, ours, plan)
         for timer, (s, o) in figures.items():
             key = f"{pair}_{timer}" if pair else timer
             row[f"{key}_us"], row[f"{key}_spread"] = [s[0], o[0]], [s[1], o[1]]
+    if "alone" in extra:  # DeepGEMM's scores alone: [DeepGEMM, ours]
+        row["scores_graph_us"] = [graph_us([extra.pop("alone")], plan.rep_ms)[0], None]
     if "bytes" in extra:  # bytes / µs = MB/s
         row["roof"] = [extra["bytes"] / us / 1e3 / copy_gbs for us in row["graph_us"]]
     return row | extra
@@ -338,7 +400,9 @@ def run(selected: list[dict], plan: Plan, dev, copy_gbs: float) -> list[dict]:
                 torch.cuda.empty_cache()  # the case's buffers and graph pools
         rows.append(row)
         said = [f"{k[:-3]} x{v[0] / v[1]:.2f} ±{max(row[k[:-2] + 'spread']):.0%}"
-                for k, v in row.items() if k.endswith("_us")]  # fmt: skip
+                for k, v in row.items() if k.endswith("_us") and v[1]]  # fmt: skip
+        if row.get("scores_graph_us"):
+            said.append(f"DeepGEMM {row['scores_graph_us'][0]:.1f} us")
         said = ["FAILED " + row["error"].split("\n")[0]] if "error" in row else said
         print(f"{name(case):64} {' | '.join(said)}", flush=True)
     return rows
@@ -359,9 +423,10 @@ def copy_gbs(rep_ms, size=2 << 30) -> dict:
     return gbs
 
 
-def load_kernels(stock_topk_so: str | None) -> None:
+def load_kernels(stock_topk_so: str | None, deep_gemm: str | None = None) -> None:
     """Fills ``K``, from the kernel-only shim or else the patched overlay of
-    the installed vLLM, put first on ``sys.path``."""
+    the installed vLLM, put first on ``sys.path``; with ``deep_gemm``, the
+    folder holding vLLM's vendored ``deep_gemm`` package."""
     sys.path.insert(0, str(ROOT))
     if os.environ.get("KPOOL_KERNEL_ONLY") == "1":
         from tools.kernel_env.shim import install_from_env
@@ -389,6 +454,11 @@ def load_kernels(stock_topk_so: str | None) -> None:
     for fn in ("kpool_update", "expand_pools", "expand_and_remap", "upcast_logits"):
         setattr(K, fn, getattr(kpool, fn))
     K.select_topk = kpool.select_topk
+    if deep_gemm:  # vLLM's vendored DeepGEMM, from the folder that holds it
+        sys.path.insert(0, deep_gemm)
+        import deep_gemm as dg
+
+        K.deep_gemm = dg
     if stock_topk_so:  # vLLM's own top-k as "auto" picks it, from the wheel
         from tools.kernel_env import stock_topk
 
@@ -396,9 +466,21 @@ def load_kernels(stock_topk_so: str | None) -> None:
         K.stock_topk = stock_topk.StockTopk(torch.device("cuda"))
 
 
+def part(row: dict) -> str:
+    """The JSON part of a row: ``select`` (the top-k cases), ``scores`` (the
+    indexer decode after the query) or ``kernels``."""
+    kind = row.get("case", "select")
+    return (
+        kind
+        if kind in ("select", "scores")
+        else {"step": "scores"}.get(kind, "kernels")
+    )
+
+
 def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
-    parts = {part: [r for r in rows if ("context" in r) == (part == "select")]
-             for part in ("kernels", "select")}  # fmt: skip
+    parts: dict = {}
+    for row in rows:
+        parts.setdefault(part(row), []).append(row)
     path.write_text(json.dumps(dict(meta=meta, **parts), indent=1))
 
 
@@ -423,13 +505,20 @@ def parse_args(argv=None):
     add("--list", action="store_true", help="print the case names and stop")
     add("--stock-topk-so", default=os.environ.get("KPOOL_STOCK_TOPK_SO"),
         help="the wheel's _C_stable_libtorch.abi3.so (KPOOL_STOCK_TOPK_SO)")
+    add("--deep-gemm", default=os.environ.get("KPOOL_DEEP_GEMM"),
+        help="the folder holding vLLM's vendored deep_gemm (KPOOL_DEEP_GEMM)")
     add("--commit", help="what was measured (default: git describe --dirty)")
     args = p.parse_args(argv)
     args.plan = QUICK if args.quick else Plan()
     args.selected = [c for c in cases(args.plan) if re.search(args.cases, name(c))]
-    so, select = args.stock_topk_so, any("context" in c for c in args.selected)
-    if select and not (args.list or args.plot or so and Path(so).is_file()):
-        p.error(f"the select cases need --stock-topk-so (not a file: {so}) or --cases")
+    so = args.stock_topk_so
+    topk = any(part(c) in ("select", "scores") for c in args.selected)
+    if topk and not (args.list or args.plot or so and Path(so).is_file()):
+        p.error(f"the select and step cases need --stock-topk-so (not a file: {so})"
+                " or --cases")
+    steps = any(part(c) == "scores" for c in args.selected)
+    if steps and not (args.list or args.plot or args.deep_gemm):
+        p.error("the step cases need --deep-gemm (vLLM's vendored DeepGEMM) or --cases")
     return args
 
 
@@ -443,7 +532,7 @@ def main(argv=None) -> int:
         return 0
     if not torch.cuda.is_available():
         sys.exit("tools/bench.py: the timing needs a CUDA GPU (--list, --plot do not)")
-    load_kernels(args.stock_topk_so)
+    load_kernels(args.stock_topk_so, args.deep_gemm)
     import triton
 
     started, dev = time.perf_counter(), torch.device("cuda")
@@ -452,7 +541,7 @@ def main(argv=None) -> int:
                 triton=triton.__version__, commit=args.commit or git_head(),
                 date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
                 copy=copy, copy_gbs=max(copy.values()), plan=vars(args.plan),
-                stock_topk_so=args.stock_topk_so)
+                stock_topk_so=args.stock_topk_so, deep_gemm=args.deep_gemm)
     said = ", ".join(f"{k} {v:.0f}" for k, v in copy.items())
     print(f"{meta['gpu']}, copy GB/s: {said}; x: stock time over ours ±spread")
     rows = run(args.selected, args.plan, dev, meta["copy_gbs"])
