@@ -195,7 +195,11 @@ def score_inputs(requests, next_n, heads, ends, dev, gen) -> dict:
     cache[:, BLOCK * DIM :] = scales.view(torch.uint8)
     lens = ends.view(requests, next_n)
     q = torch.randn(requests, next_n, heads, DIM, **g).to(torch.float8_e4m3fn)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = (
+        torch.cuda.get_device_properties(dev).multi_processor_count
+        if dev.type == "cuda"
+        else 132
+    )
     return dict(
         q=(q, None),
         kv_cache=cache.view(-1, BLOCK, 1, DIM + 4),

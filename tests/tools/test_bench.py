@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -128,13 +129,35 @@ def spec_only(monkeypatch):
     monkeypatch.setattr(bench.K.compress, "mqa_logits_use_mx_scales", flag)
     monkeypatch.setattr(bench.K, "stock_topk", stock_topk, raising=False)
     monkeypatch.setattr(bench, "TAIL_WIDTH", 4096)
+    monkeypatch.setattr(bench.K, "deep_gemm", deep_gemm_torch(), raising=False)
     return seen
+
+
+def deep_gemm_torch():
+    """DeepGEMM's paged scores as vLLM's torch reference computes them
+    (``fp8_paged_mqa_logits_torch``), its schedule none."""
+    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
+        fp8_paged_mqa_logits_torch,
+    )
+
+    def scores(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+               max_context_len):  # fmt: skip
+        assert q[1] is None and schedule_meta is None
+        return fp8_paged_mqa_logits_torch(
+            q[0], kv_cache, weights, context_lens, block_table, max_context_len
+        )
+
+    return SimpleNamespace(
+        get_paged_mqa_logits_metadata=lambda *args: None,
+        fp8_fp4_paged_mqa_logits=scores,
+    )
 
 
 def test_both_sides_take_every_case_s_inputs(spec_only):
     plan = bench.Plan(
         rows=(2,), upcast_rows=(2,), widths=(4096,), select_rows=((1, 2), (4, 4)),
-        ends=("full", "random", "short"), relu_widths=(4096,),
+        ends=("full", "random", "short"), relu_widths=(4096,), step_rows=(2,),
+        step_next_n=(1, 2), step_pools=(4096,),
     )  # fmt: skip
     kernels = dict(update="UPDATE", expand="EXPAND", remap="REMAP", upcast="UPCAST")
     for case in bench.cases(plan):
@@ -149,6 +172,10 @@ def test_both_sides_take_every_case_s_inputs(spec_only):
             assert keys["UPDATE"].mx_scales == mx and ("UPCAST" in keys) == upcast
             assert keys["REMAP"].counts == counts
             assert bench.K.compress.mqa_logits_use_mx_scales() == mx  # stock's
+        elif case.get("case") == "step":  # DeepGEMM's scores on both sides
+            assert keys.keys() == {"SELECT", "REMAP"} and keys["REMAP"].counts
+            assert keys["SELECT"].dtype == torch.float32
+            assert extra["alone"]().shape == (2 * case["next_n"], 4096)
         elif "case" in case:
             assert keys.keys() == {kernels[case["case"]]}, case
         else:
