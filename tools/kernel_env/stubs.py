@@ -111,7 +111,10 @@ def stubs() -> dict[str, dict[str, Any]]:
     deep_gemm = "vllm.utils.deep_gemm"
     return {
         "vllm.logger": {"init_logger": init_logger},
-        "vllm.envs": {"VLLM_SPARSE_INDEXER_MAX_LOGITS_MB": 512},
+        "vllm.envs": {
+            "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB": 512,
+            "VLLM_BATCH_INVARIANT": False,
+        },
         "vllm.triton_utils": {"HAS_TRITON": True, "tl": tl, "triton": triton},
         "vllm.platforms": {"current_platform": _Platform()},
         "vllm.config": {

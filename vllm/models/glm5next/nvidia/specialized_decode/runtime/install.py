@@ -110,9 +110,9 @@ def say_batch_invariance(stage) -> None:
     """Under vLLM's batch-invariant mode, says once whether the indexer's
     decode top-k is batch-invariant: the select at every batch size is,
     stock's top-k (its order and ties from atomics) is not."""
-    from vllm import envs
+    from vllm.envs import VLLM_BATCH_INVARIANT
 
-    if not envs.VLLM_BATCH_INVARIANT:
+    if not VLLM_BATCH_INVARIANT:
         return
     if stage.select and not stage.select_one_wave:
         logger.info_once(
