@@ -427,8 +427,10 @@ def test_every_compile_mode(gpu, make_config, mode):
     else:
         assert missing == [
             (
-                "no torch.compile of the model (compilation_config mode NONE, e.g. "
-                f"-O0; found {found[mode.name]})"
+                "no torch.compile of the model (compilation_config mode NONE: "
+                "vLLM's default for GLM-5-Next, with breakable CUDA graphs, unless "
+                "VLLM_USE_BREAKABLE_CUDAGRAPH=0; else -cc.mode=none; found "
+                f"{found[mode.name]})"
             )
         ]
 
@@ -441,8 +443,8 @@ def test_every_cudagraph_mode(gpu, make_config, mode):
         assert missing == [
             (
                 "no FULL CUDA graphs of mixed prefill-decode batches "
-                "(compilation_config cudagraph_mode FULL_DECODE_ONLY or PIECEWISE; "
-                "found FULL)"
+                "(compilation_config cudagraph_mode FULL_AND_PIECEWISE, the default, "
+                "FULL_DECODE_ONLY or PIECEWISE; found FULL)"
             )
         ]
     else:
@@ -475,9 +477,12 @@ def test_one_error_lists_every_requirement(gpu, make_config):
         "(found index_topk None, index_kpool 4, index_head_dim 128); no decode "
         "context parallelism (--decode-context-parallel-size 1; found 2); no "
         "micro-batching (leave out --enable-dbo and ubatch_size); no torch.compile "
-        "of the model (compilation_config mode NONE, e.g. -O0; found VLLM_COMPILE); "
-        "no FULL CUDA graphs of mixed prefill-decode batches (compilation_config "
-        "cudagraph_mode FULL_DECODE_ONLY or PIECEWISE; found FULL); JIT kernel "
+        "of the model (compilation_config mode NONE: vLLM's default for GLM-5-Next, "
+        "with breakable CUDA graphs, unless VLLM_USE_BREAKABLE_CUDAGRAPH=0; else "
+        "-cc.mode=none; found VLLM_COMPILE); no FULL CUDA graphs of mixed "
+        "prefill-decode batches (compilation_config cudagraph_mode "
+        "FULL_AND_PIECEWISE, the default, FULL_DECODE_ONLY or PIECEWISE; found "
+        "FULL); JIT kernel "
         "warmup (kernel_config enable_jit_warmup=True). Or leave the stages out "
         "with additional_config specialized_decode_skip=['dsa_kpool'], or use "
         "decode_backend=auto."

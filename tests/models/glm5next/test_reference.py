@@ -116,8 +116,9 @@ def auto_ignores(make_config, monkeypatch, vllm_log, **_) -> list[str]:
 
 
 def requirements(make_config, monkeypatch, gpu, **_) -> list[str]:
-    """An A100 (SM80) with decode context parallelism 2, vLLM's default
-    compilation mode and ``enforce_eager`` (which turns JIT warmup off)."""
+    """An A100 (SM80) with decode context parallelism 2, compilation mode
+    VLLM_COMPILE (vLLM's with ``VLLM_USE_BREAKABLE_CUDAGRAPH=0``) and
+    ``enforce_eager`` (which turns JIT warmup off)."""
     gpu(80)
     overrides = dict(
         parallel_config__decode_context_parallel_size=2,

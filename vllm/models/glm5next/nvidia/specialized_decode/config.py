@@ -211,14 +211,19 @@ def unsupported(vllm_config) -> list[str]:
             not parallel.use_ubatching
         ),
         # The routing is host code run at each eager step and capture; a
-        # compiled forward would trace one decision into every step.
-        "no torch.compile of the model (compilation_config mode NONE, "
-        f"e.g. -O0; found {CompilationMode(compilation.mode).name})": (
+        # compiled forward would trace one decision into every step. vLLM
+        # gives GLM-5-Next mode NONE with breakable CUDA graphs by default;
+        # -O0 would also turn the CUDA graphs off.
+        "no torch.compile of the model (compilation_config mode NONE: vLLM's "
+        "default for GLM-5-Next, with breakable CUDA graphs, unless "
+        "VLLM_USE_BREAKABLE_CUDAGRAPH=0; else -cc.mode=none; found "
+        f"{CompilationMode(compilation.mode).name})": (
             compilation.mode == CompilationMode.NONE
         ),
         # A FULL graph replays its capture's routing, which must be decode's.
         "no FULL CUDA graphs of mixed prefill-decode batches (compilation_config "
-        f"cudagraph_mode FULL_DECODE_ONLY or PIECEWISE; found {cudagraph_mode!s})": (
+        "cudagraph_mode FULL_AND_PIECEWISE, the default, FULL_DECODE_ONLY or "
+        f"PIECEWISE; found {cudagraph_mode!s})": (
             cudagraph_mode is None or cudagraph_mode.mixed_mode() != CUDAGraphMode.FULL
         ),
         # Decode steps and graph captures must never compile a kernel.
