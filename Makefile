@@ -61,9 +61,11 @@ venv:
 	  echo "== venv: created in $$((SECONDS - start)) s"; \
 	fi
 
-# tools/build_wheel.py needs the standard library only (and pip to fetch).
+# tools/build_wheel.py needs the standard library only (and pip to fetch):
+# the .venv's python where there is one (make test), else PYTHON.
 fetch:
-	@start=$$SECONDS; $(PYTHON) tools/build_wheel.py --fetch-only; \
+	@start=$$SECONDS; py=$(VPY); [ -x $$py ] || py=$(PYTHON); \
+	$$py tools/build_wheel.py --fetch-only; \
 	echo "== fetch stock wheel: $$((SECONDS - start)) s"
 
 test: venv fetch
