@@ -31,7 +31,9 @@ def find_installed_vllm() -> Path | None:
     """The stock ``vllm`` package dir on sys.path, found without importing it
     (that would pin the unpatched vllm); this repo and overlays skipped."""
     paths = [Path(entry or ".").resolve() for entry in sys.path]
-    skip = (patchset.REPO_ROOT, OVERLAY_DIR, *OVERLAY_DIR.glob("*"))
+    skip = {
+        p.resolve() for p in (patchset.REPO_ROOT, OVERLAY_DIR, *OVERLAY_DIR.glob("*"))
+    }
     paths = [str(p) for p in paths if p not in skip]
     spec = importlib.machinery.PathFinder.find_spec("vllm", paths)
     return Path(spec.origin).parent if spec and spec.origin else None
