@@ -108,6 +108,12 @@ def unknown_key(make_config, monkeypatch, vllm_log, **_) -> list[str]:
     return logged(vllm_log, sd)
 
 
+def unknown_variable(make_config, monkeypatch, vllm_log, **_) -> list[str]:
+    """The self-check's variable without its last underscore."""
+    settings(make_config, monkeypatch, ON, {"VLLM_GLM5NEXT_KPOOL_SELFCHECK": "off"})
+    return logged(vllm_log, sd)
+
+
 def auto_ignores(make_config, monkeypatch, vllm_log, **_) -> list[str]:
     """Settings that only matter with latency_specialized, under auto."""
     extra = {"kpool_select": True, "specialized_decode_self_check": "strict"}
@@ -178,6 +184,7 @@ def refused(**_) -> list[str]:
 EXAMPLES = {
     "bad-settings": bad_settings,
     "unknown-key": unknown_key,
+    "unknown-variable": unknown_variable,
     "auto-ignores": auto_ignores,
     "requirements": requirements,
     "installed": installed,
