@@ -506,3 +506,20 @@ def test_pin_refuses_the_header_templates_placeholders(new_fork, stock_wheel):
         '(CONTRIBUTING.md, "Adding a patch"); patches/base.json is unchanged\n'
     )
     assert (root / "patches" / "base.json").read_bytes() == pinned
+
+
+def test_overlay_runs_as_a_script():
+    """``python tools/overlay.py`` prints the overlay's dir (applied) and
+    nothing else on stdout; where the python has no vllm it says so."""
+    tool = str(patchset.REPO_ROOT / "tools" / "overlay.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, tool], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    (line,) = r.stdout.splitlines()
+    assert patchset.inspect_tree(line).state == "applied"
+    r = subprocess.run(
+        [sys.executable, "-S", tool], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 1 and r.stderr.startswith(
+        f"overlay: error: no vllm installed for {sys.executable}; expected vllm=="
+    )
