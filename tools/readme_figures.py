@@ -5,11 +5,11 @@
 
 A figure block is the text between ``<!-- figures: NAME from docs/X.json -->``
 and ``<!-- /figures -->``; ``BLOCKS[NAME]`` gives its text from that JSON
-(its source, which the text links). ``--check`` (the default; CI runs it
-through ``tests/tools/test_readme_figures.py``) prints each block that
-differs and exits 1; ``--write`` rewrites them. A new block is a function
-here, registered with ``@block(NAME, "docs/X.json")``, and its markers in
-the README.
+(its source, which the text links). ``python tools/readme_figures.py``
+prints each block that differs, with the text it should have, and exits 1
+(CI checks the same through ``tests/tools/test_readme_figures.py``);
+``--write`` rewrites the blocks. A new block is a function here, registered
+with ``@block(NAME, "docs/X.json")``, and its markers in the README.
 
 The select's block needs the patched vLLM (its one-wave rule decides where
 the stage runs the select): the overlay of the installed vLLM, or the
