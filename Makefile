@@ -3,6 +3,8 @@
 #
 #   make test    .venv with vllm==<base> and its pins (reused while its marker
 #                matches), the stock wheel in build/cache, then pytest
+#   make fetch   the pinned stock wheel into build/cache, checked against
+#                patches/base.json (pip download only, no .venv)
 #   make wheel   dist/vllm-<base>+glm5next.kpool<N>-<tags>.whl
 #   make lint    ruff check + ruff format --check (build/venv-lint: ruff only)
 #   make mutate  mutation testing of the stage's host code: mutmut 3.8.1 (put
@@ -40,8 +42,10 @@ MUTATE_ARGS ?=
 .PHONY: help test venv fetch wheel lint mutate clean distclean
 .DEFAULT_GOAL := help
 
+# The comment block above, from its first "make" line to the variables.
 help:
-	@sed -n '4,16p' Makefile | sed 's/^# \{0,1\}//; s/<base>/$(BASE_VERSION)/g'
+	@sed -n '/^#   make test/,/MUTATE_ARGS (mutant/p' Makefile | \
+	  sed 's/^# \{0,1\}//; s/<base>/$(BASE_VERSION)/g'
 
 venv:
 	@want="$(PIP_PIN) $(PINS) python=$$($(PYTHON) -c 'import sys; print(sys.version.split()[0])')"; \
@@ -57,8 +61,11 @@ venv:
 	  echo "== venv: created in $$((SECONDS - start)) s"; \
 	fi
 
-fetch: venv
-	@start=$$SECONDS; $(VPY) tools/build_wheel.py --fetch-only; \
+# tools/build_wheel.py needs the standard library only (and pip to fetch):
+# the .venv's python where there is one (make test), else PYTHON.
+fetch:
+	@start=$$SECONDS; py=$(VPY); [ -x $$py ] || py=$(PYTHON); \
+	$$py tools/build_wheel.py --fetch-only; \
 	echo "== fetch stock wheel: $$((SECONDS - start)) s"
 
 test: venv fetch
@@ -68,7 +75,6 @@ test: venv fetch
 	if [ $$rc -eq 5 ]; then echo "== pytest ran no tests: failing"; exit 1; fi; \
 	exit $$rc
 
-# tools/build_wheel.py needs the standard library only (and pip to fetch).
 wheel:
 	@start=$$SECONDS; $(PYTHON) tools/build_wheel.py $(WHEEL_ARGS); \
 	echo "== make wheel: $$((SECONDS - start)) s"

@@ -69,8 +69,9 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-def _import_patched_vllm() -> None:
-    """The patched vLLM as the root conftest makes it importable."""
+def import_patched_vllm(tool: str = "guard_table.py") -> None:
+    """The patched vLLM as the root conftest makes it importable (also
+    ``readme_figures.py``'s)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     sys.path.insert(0, str(REPO))
     if os.environ.get("KPOOL_KERNEL_ONLY") == "1":
@@ -84,7 +85,7 @@ def _import_patched_vllm() -> None:
 
     stock = overlay.find_installed_vllm()
     if stock is None:
-        sys.exit("guard_table.py: no vllm installed; set KPOOL_KERNEL_ONLY=1")
+        sys.exit(f"{tool}: no vllm installed; set KPOOL_KERNEL_ONLY=1")
     sys.path.insert(0, str(overlay.build_overlay(stock, log=lambda m: None)))
 
 
@@ -92,7 +93,7 @@ if __name__ == "__main__":
     stdout = os.dup(1)
     os.dup2(2, 1)  # whatever the imports and the stock kernels print: stderr
     try:
-        _import_patched_vllm()
+        import_patched_vllm()
         text = markdown()
     finally:
         sys.stdout.flush()

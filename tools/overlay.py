@@ -6,10 +6,15 @@
 ``build/overlay/<key>/vllm`` and applies the patch set to that copy: patched
 files get new inodes, so the venv never changes. The key covers the patch set,
 the stock install and these tools; overlays unused for 6 h are deleted.
+
+    python tools/overlay.py     builds (or reuses) the overlay of the vllm
+                                this python has, prints its dir: put it
+                                first on PYTHONPATH to import the patched tree
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import importlib.machinery
@@ -20,8 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools import patchset
-from tools.patchset import Patchset, PatchsetError
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools import patchset  # noqa: E402
+from tools.patchset import Patchset, PatchsetError  # noqa: E402
 
 OVERLAY_DIR = patchset.REPO_ROOT / "build" / "overlay"
 MAX_AGE_S = 6 * 3600
@@ -31,7 +38,9 @@ def find_installed_vllm() -> Path | None:
     """The stock ``vllm`` package dir on sys.path, found without importing it
     (that would pin the unpatched vllm); this repo and overlays skipped."""
     paths = [Path(entry or ".").resolve() for entry in sys.path]
-    skip = (patchset.REPO_ROOT, OVERLAY_DIR, *OVERLAY_DIR.glob("*"))
+    skip = {
+        p.resolve() for p in (patchset.REPO_ROOT, OVERLAY_DIR, *OVERLAY_DIR.glob("*"))
+    }
     paths = [str(p) for p in paths if p not in skip]
     spec = importlib.machinery.PathFinder.find_spec("vllm", paths)
     return Path(spec.origin).parent if spec and spec.origin else None
@@ -90,3 +99,27 @@ def build_overlay(stock_pkg, cache_root=OVERLAY_DIR, ps=None, *, log=None) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"built vllm overlay {final} (patched hard-link copy of {stock_pkg})")
     return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)
+    stock = find_installed_vllm()
+    if stock is None:
+        v = Patchset.load().version
+        print(
+            f"overlay: error: no vllm installed for {sys.executable}; expected "
+            f"vllm=={v} (patches/base.json)",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        print(build_overlay(stock))
+    except PatchsetError as e:
+        print(f"overlay: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,13 +15,17 @@ and on any error or interrupt the files already replaced are restored.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import csv
 import dataclasses
 import errno
 import hashlib
+import io
 import json
 import os
 import re
+import shlex
 import stat
 import subprocess
 import sys
@@ -198,25 +202,45 @@ class TreeState:
 
     def describe(self, want: str | None = None) -> str:
         """The state, a line per file that is neither base nor applied (or
-        not ``want``): what was found and expected; for a wrong base, what to do."""
+        not ``want``): what was found and expected; for a mixed tree or a
+        wrong base, what to do."""
         v = self.ps.version
         lines = [f"{self.tree}: {self.state} (base: vLLM {v})"]
         for rel, state in self.files.items():
             if state == "wrong" or want not in (None, state):
                 base = self.ps.base_files.get(rel, "no file")
-                fork = sha256(self.fork[rel]) if rel in self.fork else "?"
-                exp = {"base": f"base {base}", "applied": f"applied {fork}"}
+                # The patched file's hash follows from its base's bytes,
+                # unknown where the tree holds neither.
+                fork = (
+                    f"applied {sha256(self.fork[rel])}"
+                    if rel in self.fork
+                    else "applied (that base with the patch set)"
+                )
+                exp = {"base": f"base {base}", "applied": fork}
                 exp = exp.get(want) or " or ".join(exp.values())
                 found = self.found[rel] or "no file"
                 lines.append(f"  {rel}: {state}, found {found}; expected {exp}")
+        tree = shlex.quote(str(self.tree))
+        if self.state == "mixed":
+            lines.append(
+                f"Complete it with `{CLI} apply {tree}`, or bring it back to "
+                f"the base with `{CLI} revert {tree}`."
+            )
         if self.state != "wrong-base":
             return "\n".join(lines)
-        if tv := tree_version(self.tree):
+        tv = tree_version(self.tree)
+        if tv:
             lines.append(f"The tree says it is vLLM {tv[0]} ({tv[1]}).")
-        lines.append(
-            f"Restore vLLM {v}'s files (`pip install --force-reinstall "
-            f"--no-deps vllm=={v}`), or make your change a patch."
-        )
+        if tv and tv[0].split("+")[0] != v:
+            lines.append(
+                f"Install vLLM {v} with its dependencies (`pip install "
+                f"vllm=={v}`), then apply the patch set."
+            )
+        else:
+            lines.append(
+                f"Restore vLLM {v}'s files (`pip install --force-reinstall "
+                f"--no-deps vllm=={v}`), or make your change a patch."
+            )
         return "\n".join(lines)
 
 
@@ -308,6 +332,34 @@ def _commit(root: Path, verb: str, changes: dict[str, tuple[bytes | None, int]])
         ) from exc
 
 
+def _record(tree: Path) -> str | None:
+    """The RECORD of TREE's one vLLM dist-info (pip's list of the files it
+    removes on uninstall), relative to TREE; None where there is none."""
+    found = sorted(tree.glob("vllm-*.dist-info/RECORD"))
+    return found[0].relative_to(tree).as_posix() if len(found) == 1 else None
+
+
+def _record_with(text: str, added: dict[str, bytes | None]) -> str:
+    """RECORD ``text`` without rows for the files of ``added``, then a row
+    for each that exists (data not None), as pip writes them, with the line
+    ends ``text`` has (pip's are CRLF, a wheel's often LF)."""
+    end = "\r\n" if "\r\n" in text else "\n"
+    lines = [
+        line
+        for line in text.splitlines(keepends=True)
+        if next(csv.reader([line]), [""])[0] not in added
+    ]
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += end
+    rows = io.StringIO()
+    writer = csv.writer(rows, lineterminator=end)
+    for rel, data in added.items():
+        if data is not None:
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+            writer.writerow([rel, f"sha256={digest.decode().rstrip('=')}", len(data)])
+    return "".join(lines) + rows.getvalue()
+
+
 def _bring_to(want: str, tree, ps: Patchset | None, log) -> bool:
     st = inspect_tree(tree, ps := ps or Patchset.load())
     if st.state == "wrong-base":
@@ -319,9 +371,26 @@ def _bring_to(want: str, tree, ps: Patchset | None, log) -> bool:
     mode = {
         rel: stat.S_IMODE((ps.root / rel).stat().st_mode) | 0o644 for rel in ps.added
     }
-    _commit(st.tree, verb, {rel: (new.get(rel), mode.get(rel, 0)) for rel in todo})
+    changes = {rel: (new.get(rel), mode.get(rel, 0)) for rel in todo}
+    # pip uninstalls what RECORD lists: the fork's files go with vLLM.
+    if record := _record(st.tree):
+        text = (st.tree / record).read_bytes().decode()
+        rows = _record_with(text, {rel: new.get(rel) for rel in ps.added})
+        if rows != text:
+            changes[record] = (rows.encode(), 0)
+    _commit(st.tree, verb, changes)
     _drop_empty_dirs(st.tree, [rel for rel in todo if rel not in new])
-    log(f"{st.tree}: {verb}: {len(todo)} file(s) written; the tree is {want}")
+    removed = sum(new.get(rel) is None for rel in todo)
+    touched = sum(rel in ps.base_files for rel in todo)
+    added = len(todo) - removed - touched
+    done = (
+        f"{touched} stock file(s) patched, {added} added"
+        if want == "applied"
+        else f"{touched} stock file(s) restored, {removed} removed"
+    )
+    if record in changes:
+        done += f", {record} updated"
+    log(f"{st.tree}: {verb}: {done}; the tree is {want}")
     return True
 
 
@@ -398,9 +467,40 @@ def export_diff(ps: Patchset | None = None, *, tree=None, wheel=None) -> str:
         return _git(["diff", *opts, "--dst-prefix=b/", *trees], work).stdout
 
 
+PLACEHOLDERS = ("# CONCERN.", "# WHY.")  # CONTRIBUTING.md's header template
+
+
+def header_problems(text: str) -> list[str]:
+    """What breaks CONTRIBUTING.md's rule for a patch's header: a
+    '# <concern>.' line, a lone '#', '# <why>' lines, a blank line, then the
+    first 'diff --git' line, the template's placeholders replaced."""
+    head, sep, _ = text.partition("diff --git ")
+    if not sep or not head.endswith("\n\n"):
+        return ["expected a header, then a blank line before the first diff --git"]
+    lines = head[:-2].split("\n")
+    problems = [f"{p!r}: replace the placeholder" for p in PLACEHOLDERS if p in lines]
+    if not re.fullmatch(r"# \S.*\.", lines[0]):
+        problems.append(f"line 1 {lines[0]!r}: expected '# <concern>.'")
+    if lines[1:2] != ["#"]:
+        problems.append("line 2: expected a lone '#' between concern and why")
+    why = lines[2:]
+    if not any(re.fullmatch(r"# \S.*", line) for line in why) or not all(
+        re.fullmatch(r"#( .*)?", line) for line in why
+    ):
+        problems.append("expected '# <why>' lines after the lone '#'")
+    return problems
+
+
 def pin(wheel: str | os.PathLike[str], root=REPO_ROOT, *, log=print) -> dict:
-    """Rewrite patches/base.json from WHEEL, once the series applies to it."""
+    """Rewrite patches/base.json from WHEEL, once every patch has its header
+    and the series applies to WHEEL."""
     ps, wheel = Patchset.load(root, pinned=False), Path(wheel)
+    for patch in ps.patches:
+        if problems := header_problems(patch.read_text()):
+            raise PatchsetError(
+                f"{patch}: header: {'; '.join(problems)} (CONTRIBUTING.md, "
+                '"Adding a patch"); patches/base.json is unchanged'
+            )
     patched_files(ps, files := wheel_files(wheel, ps.touched))
     base = {
         "vllm_version": wheel_version(wheel),

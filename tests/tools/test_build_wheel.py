@@ -3,7 +3,8 @@
 """tools/build_wheel.py: the fork wheel's name, metadata, RECORD and content,
 reproducibility (on a small stock wheel pinned for the test), the refusal of
 a wrong stock wheel, setup.py; slow: the real wheel, pip-installed into a
-fresh venv (deselect locally with -m 'not slow')."""
+fresh venv and back to the stock wheel (deselect locally with -m 'not
+slow')."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tools import build_wheel, patchset
 KPOOL = "vllm/models/glm5next/nvidia/ops/kpool_compress.py"
 SO = "vllm/_C.abi3.so"
 CONFIG = "vllm/configs/E=1,N=14336.json"  # a comma: RECORD quotes the name
+NEW = "vllm/models/glm5next/nvidia/specialized_decode"  # the files the fork adds
 TOOL = [sys.executable, str(patchset.REPO_ROOT / "tools" / "build_wheel.py")]
 
 
@@ -137,7 +139,12 @@ def test_setup_py_delegates_bdist_wheel_only():
 
 
 @pytest.mark.slow
-def test_fork_wheel_installs_into_a_fresh_venv(tmp_path, repo_ps, stock_wheel):
+def test_fork_wheel_installs_into_a_fresh_venv_and_back(tmp_path, repo_ps, stock_wheel):
+    """The fork wheel pip-installed over nothing, its modules imported (their
+    bytecode written); the way back (the stock wheel force-reinstalled)
+    leaves the base and no fork file; ``pip uninstall`` then leaves nothing.
+    (pip removes the bytecode of the interpreter's default optimization
+    level only, for every package.)"""
     whl = build_wheel.build(stock_wheel, dist_dir=tmp_path / "dist", log=print)
     assert record_problems(whl) == []
     venv.create(tmp_path / "venv", with_pip=True)
@@ -148,7 +155,7 @@ def test_fork_wheel_installs_into_a_fresh_venv(tmp_path, repo_ps, stock_wheel):
         return subprocess.run([py, *args], capture_output=True, text=True, env=env)
 
     pip = ("-m", "pip", "--disable-pip-version-check")
-    r = run(*pip, "install", "--no-deps", "--no-compile", str(whl))
+    r = run(*pip, "install", "--no-deps", str(whl))
     assert r.returncode == 0, r.stdout + r.stderr
     version = build_wheel.fork_version(repo_ps)
     assert f"Version: {version}\n" in run(*pip, "show", "vllm").stdout
@@ -161,5 +168,13 @@ def test_fork_wheel_installs_into_a_fresh_venv(tmp_path, repo_ps, stock_wheel):
         ).stdout.strip()
     )
     assert patchset.inspect_tree(site, repo_ps).state == "applied"
+    compiled = run("-m", "compileall", "-q", str(site / NEW))  # as imports do
+    assert compiled.returncode == 0, compiled.stderr
+
+    r = run(*pip, "install", "--force-reinstall", "--no-deps", str(stock_wheel))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert patchset.inspect_tree(site, repo_ps).state == "base"
+    assert not (site / NEW).exists()
+    assert f"Version: {repo_ps.version}\n" in run(*pip, "show", "vllm").stdout
     assert run(*pip, "uninstall", "-y", "vllm").returncode == 0
     assert not (site / "vllm").exists() and not list(site.glob("vllm-*.dist-info"))

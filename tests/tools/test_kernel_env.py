@@ -675,7 +675,14 @@ def test_verify_refuses_a_stage_from_another_patch_set(tmp_path):
         stage.verify(tmp_path / "stock", patches)
 
 
-SCRIPTS = ["gpu_tier.sh", "sanitize.sh", "prepare.sh", "select_launch.py", "stage.py"]
+SCRIPTS = [
+    "gpu_tier.sh",
+    "sanitize.sh",
+    "prepare.sh",
+    "cutedsl_bundle.sh",
+    "select_launch.py",
+    "stage.py",
+]
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, "shim.py"])
@@ -693,6 +700,43 @@ def test_help_runs_nothing(script, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.splitlines()) >= 2, proc.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_bundle_writes_the_archive_and_its_env_sh(tmp_path):
+    """``cutedsl_bundle.sh DEST`` with the archive in its cache (no download):
+    DEST holds the archive and an ``env.sh`` that unpacks that archive from
+    ``.device`` and puts it on ``PYTHONPATH``."""
+    name = "cutedsl-4.8.0-tvmffi-0.1.11-cu13-cp312.tar.xz"
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / name).write_bytes(b"archive")
+    script = REPO / "tools/kernel_env/cutedsl_bundle.sh"
+    env = os.environ | {"KPOOL_DEVICE_CACHE": str(tmp_path / "cache")}
+    subprocess.run(
+        [str(script), str(tmp_path / "dest")], env=env, check=True, capture_output=True
+    )
+    assert sorted(p.name for p in (tmp_path / "dest").iterdir()) == [name, "env.sh"]
+    assert (tmp_path / "dest" / name).read_bytes() == b"archive"
+    text = (tmp_path / "dest" / "env.sh").read_text()
+    assert "@NAME@" not in text and f"tar xJf .device/{name} " in text
+    assert 'export PYTHONPATH="$PWD:$_kpool_site:' in text
+
+
+def test_the_gpu_tier_needs_nothing_outside_the_repository():
+    """What builds the bundle is in tools/kernel_env/; no other file of the
+    repository points outside it (``../shared``) for it."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split("\0")
+    this = Path(__file__).resolve().relative_to(REPO).as_posix()
+    pointing = [
+        rel
+        for rel in tracked
+        if rel not in ("", this)
+        and (REPO / rel).is_file()
+        and b"../shared" in (REPO / rel).read_bytes()
+    ]
+    assert pointing == []
+    assert (REPO / "tools/kernel_env/env.sh.in").is_file()
 
 
 def _path() -> str:

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The repo's patches follow CONTRIBUTING.md, "Adding a patch": each opens
-with a header (its concern, then why), every patch file is in the series, and
+with a header (its concern, then why; ``patchset.header_problems``, which
+``pin`` also enforces), every patch file is in the series, and
 docs/reference.md's table of patches (whichever table lists them) matches it."""
 
 from __future__ import annotations
@@ -16,45 +17,22 @@ from tools import patchset
 PDIR = patchset.REPO_ROOT / "patches"
 REFERENCE = patchset.REPO_ROOT / "docs" / "reference.md"
 PATCHES = patchset.Patchset.load().patches
-PLACEHOLDERS = ("# CONCERN.", "# WHY.")  # the recipe's header template
-
-
-def header_problems(text: str) -> list[str]:
-    """What breaks the rule: a '# <concern>.' line, a lone '#', '# <why>'
-    lines, a blank line, then the first 'diff --git' line."""
-    head, sep, _ = text.partition("diff --git ")
-    if not sep or not head.endswith("\n\n"):
-        return ["expected a header, then a blank line before the first diff --git"]
-    lines = head[:-2].split("\n")
-    problems = [f"{p!r}: replace the placeholder" for p in PLACEHOLDERS if p in lines]
-    if not re.fullmatch(r"# \S.*\.", lines[0]):
-        problems.append(f"line 1 {lines[0]!r}: expected '# <concern>.'")
-    if lines[1:2] != ["#"]:
-        problems.append("line 2: expected a lone '#' between concern and why")
-    why = lines[2:]
-    if not any(re.fullmatch(r"# \S.*", line) for line in why) or not all(
-        re.fullmatch(r"#( .*)?", line) for line in why
-    ):
-        problems.append("expected '# <why>' lines after the lone '#'")
-    return problems
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
 def test_patch_opens_with_concern_and_why(patch: Path):
-    problems = header_problems(patch.read_text())
+    problems = patchset.header_problems(patch.read_text())
     assert not problems, f"{patch}: header: " + "; ".join(problems)
 
 
 def test_header_rule_refuses_what_the_recipe_leaves():
-    diff = "diff --git a/vllm/x.py b/vllm/x.py\n"
-    assert (
-        header_problems("# Concern.\n#\n# Why: because.\n#\n# More.\n\n" + diff) == []
-    )
-    assert header_problems("# CONCERN.\n#\n# WHY.\n\n" + diff)[:2] == [
-        f"{p!r}: replace the placeholder" for p in PLACEHOLDERS
+    problems, diff = patchset.header_problems, "diff --git a/vllm/x.py b/vllm/x.py\n"
+    assert problems("# Concern.\n#\n# Why: because.\n#\n# More.\n\n" + diff) == []
+    assert problems("# CONCERN.\n#\n# WHY.\n\n" + diff)[:2] == [
+        f"{p!r}: replace the placeholder" for p in patchset.PLACEHOLDERS
     ]
-    assert header_problems(diff)[0].startswith("expected a header")
-    assert "expected a lone '#'" in header_problems("# C.\n# Why.\n\n" + diff)[0]
+    assert problems(diff)[0].startswith("expected a header")
+    assert "expected a lone '#'" in problems("# C.\n# Why.\n\n" + diff)[0]
 
 
 def test_every_patch_file_is_in_the_series():

@@ -7,10 +7,17 @@ set's own validation; tools/overlay.py: the test overlay."""
 
 from __future__ import annotations
 
+import base64
+import compileall
+import csv
 import errno
+import hashlib
+import io
 import os
 import subprocess
 import sys
+import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +28,8 @@ from tools.patchset import PatchsetError
 KPOOL = "vllm/models/glm5next/nvidia/ops/kpool_compress.py"
 NEW_DIR = "vllm/models/glm5next/nvidia/specialized_decode"
 FORK_KPOOL = b"X = 1\n"  # conftest.FORK_FILES
+DIST_INFO = f"vllm-{patchset.Patchset.load().version}.dist-info"
+RECORD = f"{DIST_INFO}/RECORD"
 TOOL = [sys.executable, str(patchset.REPO_ROOT / "tools" / "patchset.py")]
 
 
@@ -67,13 +76,81 @@ def test_apply_check_revert(kind, request, fork_ps, snap):
     assert messages == [f"{tree}: already applied; nothing written"]
     assert stats() == stats_before  # not even rewritten with the same bytes
 
-    cache = tree / NEW_DIR / "sub" / "__pycache__"  # an import of the fork's module
-    cache.mkdir()
-    (cache / "deep.cpython-311.pyc").write_bytes(b"pyc")
-    assert patchset.revert(tree, fork_ps, log=quiet) is True
-    assert snap(tree) == before
+    # Imports of the fork's modules, at every optimization level.
+    for level in (0, 1, 2):
+        compileall.compile_dir(tree / NEW_DIR, quiet=1, optimize=level)
+    assert patchset.revert(tree, fork_ps, log=messages.append) is True
+    assert snap(tree) == before  # no fork file, no bytecode, RECORD as it was
+    assert messages[-1] == (
+        f"{tree}: revert: {len(fork_ps.touched)} stock file(s) restored, "
+        f"{len(fork_ps.added)} removed, {RECORD} updated; the tree is base"
+    )
     assert patchset.revert(tree, fork_ps, log=messages.append) is False
     assert messages[-1] == f"{tree}: already base; nothing written"
+
+
+def test_apply_lists_the_fork_files_in_record(wheel_tree, fork_ps):
+    """In place, ``apply`` adds a RECORD row (path, sha256, size, as pip
+    writes them) for each file the fork adds, so that pip uninstalls them
+    with vLLM; ``revert`` takes the rows out again."""
+    before = (wheel_tree / RECORD).read_bytes().decode()
+    messages = []
+    patchset.apply(wheel_tree, fork_ps, log=messages.append)
+    assert messages == [
+        (
+            f"{wheel_tree}: apply: {len(fork_ps.touched)} stock file(s) patched, "
+            f"{len(fork_ps.added)} added, {RECORD} updated; the tree is applied"
+        )
+    ]
+    after = (wheel_tree / RECORD).read_bytes().decode()
+    assert after.startswith(before)
+    rows = list(csv.reader(io.StringIO(after[len(before) :])))
+    want = []
+    for rel in fork_ps.added:
+        data = (fork_ps.root / rel).read_bytes()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+        want.append([rel, "sha256=" + digest.decode().rstrip("="), str(len(data))])
+    assert rows == want
+    patchset.revert(wheel_tree, fork_ps, log=quiet)
+    assert (wheel_tree / RECORD).read_bytes().decode() == before
+
+
+def test_pip_uninstall_after_apply_leaves_no_fork_file(tmp_path, stock_wheel, fork_ps):
+    """A vLLM installed by pip (the touched files of the pinned wheel, in a
+    fresh venv), patched in place and its fork modules imported: ``pip
+    uninstall vllm`` removes everything, the fork's files included."""
+    small = tmp_path / stock_wheel.name
+    keep = (*fork_ps.touched, "vllm/__init__.py", f"{DIST_INFO}/METADATA")
+    rows = []
+    with zipfile.ZipFile(stock_wheel) as src, zipfile.ZipFile(small, "w") as dst:
+        for name in (*keep, f"{DIST_INFO}/WHEEL"):
+            data = src.read(name)
+            dst.writestr(name, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+            rows.append(f"{name},sha256={digest.decode().rstrip('=')},{len(data)}\n")
+        dst.writestr(f"{DIST_INFO}/RECORD", "".join(rows) + f"{DIST_INFO}/RECORD,,\n")
+    venv.create(tmp_path / "venv", with_pip=True)
+    py = str(tmp_path / "venv" / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+
+    def pip(*args: str) -> None:
+        cmd = [py, "-m", "pip", "--disable-pip-version-check", *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+    pip("install", "--no-deps", "--no-index", str(small))
+    site = Path(
+        subprocess.run(
+            [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            env=env,
+        ).stdout.strip()
+    )
+    assert patchset.apply(site, fork_ps, log=quiet) is True
+    subprocess.run([py, "-m", "compileall", "-q", str(site / NEW_DIR)], check=True)
+    pip("uninstall", "-y", "vllm")
+    assert not (site / "vllm").exists() and not list(site.glob("vllm-*.dist-info"))
 
 
 def test_git_checkout_tree(wheel_tree, fork_ps):
@@ -91,7 +168,7 @@ def test_git_checkout_tree(wheel_tree, fork_ps):
     patchset.apply(wheel_tree, fork_ps, log=quiet)
     status = git("status", "--porcelain", "--untracked-files=all").splitlines()
     assert sorted(status) == sorted(
-        [f" M {rel}" for rel in fork_ps.touched]
+        [f" M {rel}" for rel in (*fork_ps.touched, RECORD)]
         + [f"?? {rel}" for rel in fork_ps.added]
     )
     patchset.revert(wheel_tree, fork_ps, log=quiet)
@@ -138,8 +215,38 @@ def test_wrong_base_names_the_trees_version(wheel_tree, fork_ps, where):
     (wheel_tree / KPOOL).write_bytes(b"# 0.32.0\n")
     with pytest.raises(PatchsetError) as e:
         patchset.apply(wheel_tree, fork_ps, log=quiet)
-    assert f"The tree says it is vLLM 0.32.0 ({where})." in str(e.value)
-    assert f"vllm=={fork_ps.version}" in str(e.value)
+    v = fork_ps.version
+    assert str(e.value).splitlines()[-3:] == [
+        f"The tree says it is vLLM 0.32.0 ({where}).",
+        (
+            f"Install vLLM {v} with its dependencies (`pip install vllm=={v}`), then "
+            "apply the patch set."
+        ),
+        "Nothing was written.",
+    ]
+
+
+def test_a_changed_file_of_the_base_version_names_both_hashes(wheel_tree, fork_ps):
+    """A file of the base version changed by hand: neither its base hash nor
+    its patched one (which follows from the base) is found; pip restores the
+    version's files, with no other package touched."""
+    data = (wheel_tree / KPOOL).read_bytes()
+    (wheel_tree / KPOOL).write_bytes(data.replace(b"def ", b"def  ", 1))
+    found = patchset.sha256((wheel_tree / KPOOL).read_bytes())
+    base = fork_ps.base_files[KPOOL]
+    r = cli(fork_ps, "check", str(wheel_tree))
+    v = fork_ps.version
+    assert r.returncode == 1 and r.stdout.splitlines()[1:] == [
+        (
+            f"  {KPOOL}: wrong, found {found}; expected base {base} or applied (that "
+            "base with the patch set)"
+        ),
+        f"The tree says it is vLLM {v} (vllm-{v}.dist-info/METADATA).",
+        (
+            f"Restore vLLM {v}'s files (`pip install --force-reinstall --no-deps "
+            f"vllm=={v}`), or make your change a patch."
+        ),
+    ]
 
 
 def test_mixed_tree_is_completed(wheel_tree, fork_ps, snap, stock_wheel):
@@ -157,6 +264,10 @@ def test_mixed_tree_is_completed(wheel_tree, fork_ps, snap, stock_wheel):
     assert r.stdout.splitlines()[1:] == [
         f"  {KPOOL}: base, found {found}; expected applied {want}",
         f"  {NEW_DIR}/kpool.py: base, found no file; expected applied {kpool}",
+        (
+            f"Complete it with `tools/patchset.py apply {wheel_tree}`, or bring it "
+            f"back to the base with `tools/patchset.py revert {wheel_tree}`."
+        ),
     ]
     assert cli(fork_ps, "check", str(wheel_tree)).returncode == 1
     inode = (wheel_tree / fork_ps.touched[0]).stat().st_ino
@@ -371,3 +482,44 @@ def test_overlay_is_a_patched_hard_link_copy(site_tree, fork_ps, snap, tmp_path,
     (site_tree / KPOOL).write_bytes(b"# edited\n")  # the stock install, changed
     with pytest.raises(PatchsetError, match=f"{stock_pkg}: no overlay of this vllm:"):
         overlay.build_overlay(stock_pkg, cache, changed, log=quiet)
+
+
+def test_pin_refuses_the_header_templates_placeholders(new_fork, stock_wheel):
+    """CONTRIBUTING.md's recipe writes a header of placeholders; ``pin``
+    refuses a patch that still has them, naming it, and pins nothing."""
+    root = new_fork("fork")
+    first = (root / "patches" / SERIES[0]).read_text()
+    name = patchset.next_patch_name("new-topic", root)
+    diff = first[first.index("diff --git ") :]
+    (root / "patches" / name).write_text("# CONCERN.\n#\n# WHY.\n\n" + diff)
+    with open(root / "patches" / "series", "a") as f:
+        f.write(f"{name}\n")
+    pinned = (root / "patches" / "base.json").read_bytes()
+    r = subprocess.run(
+        [*TOOL, "--root", str(root), "pin", "--wheel", str(stock_wheel)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and r.stderr == (
+        f"patchset: error: {root / 'patches' / name}: header: '# CONCERN.': "
+        "replace the placeholder; '# WHY.': replace the placeholder "
+        '(CONTRIBUTING.md, "Adding a patch"); patches/base.json is unchanged\n'
+    )
+    assert (root / "patches" / "base.json").read_bytes() == pinned
+
+
+def test_overlay_runs_as_a_script():
+    """``python tools/overlay.py`` prints the overlay's dir (applied) and
+    nothing else on stdout; where the python has no vllm it says so."""
+    tool = str(patchset.REPO_ROOT / "tools" / "overlay.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, tool], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    (line,) = r.stdout.splitlines()
+    assert patchset.inspect_tree(line).state == "applied"
+    r = subprocess.run(
+        [sys.executable, "-S", tool], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 1 and r.stderr.startswith(
+        f"overlay: error: no vllm installed for {sys.executable}; expected vllm=="
+    )

@@ -3,15 +3,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
 # The GPU tier on the kernel-only GPU machine (torch, triton, no vLLM), from
-# the project root, after tools/kernel_env/prepare.sh here (carry .device):
+# the project root, with .device (tools/kernel_env/prepare.sh) beside it:
 #
 #   gpu_tier.sh [PYTEST ARGS]    the GPU tests of TESTS (-m "gpu and not stock_topk")
 #   gpu_tier.sh --stock-topk XZ [PYTEST ARGS]
 #       the tests marked stock_topk against vLLM's own top-k: XZ is the wheel's
 #       _C_stable_libtorch.abi3.so, xz-compressed (prepare.sh --stock-topk puts
-#       it in .device2/c.so.xz). Too big to travel with .device, it comes in a
-#       second call carrying only .device2, on the machine still warm from a
-#       .device call, whose CuTe DSL (/tmp/kpool-site) and stage
+#       it in .device2/c.so.xz). Too big to go with .device under 64 MiB, it
+#       goes in a second run with only .device2, on the same machine after a
+#       run with .device, whose CuTe DSL (/tmp/kpool-site) and stage
 #       (/tmp/kpool-stock) it reuses. Fails if XZ is missing, if no test ran
 #       or if any skipped.
 #   gpu_tier.sh --select-fuzz [PYTEST ARGS]
@@ -63,19 +63,19 @@ sys.exit(1 if bad or not counts["passed"] else 0)
 EOF
 }
 
-setup() {  # the CuTe DSL on PYTHONPATH, the shim on, KPOOL_STOCK: this call's stage or the last one's
+setup() {  # the CuTe DSL on PYTHONPATH, the shim on, KPOOL_STOCK: this run's stage or the last one's
   local site=/tmp/kpool-site
   if [ -f .device/env.sh ]; then
     # shellcheck disable=SC1091
     source .device/env.sh || die "could not unpack the CuTe DSL bundle"
     [ -f .device/stock/MANIFEST.json ] || die "no .device/stock: run prepare.sh here"
-    rm -rf /tmp/kpool-stock && cp -r .device/stock /tmp/kpool-stock  # for a later call
+    rm -rf /tmp/kpool-stock && cp -r .device/stock /tmp/kpool-stock  # for a later run
     stock=.device/stock
   elif compgen -G "$site/.cutedsl-*" >/dev/null && [ -f /tmp/kpool-stock/MANIFEST.json ]; then
     export PYTHONPATH="$PWD:$site:$site/nvidia_cutlass_dsl/dsl_packages" PYTHONUNBUFFERED=1
     stock=/tmp/kpool-stock
   else
-    die "no .device here and no earlier .device call on this machine: carry .device"
+    die "no .device here and no earlier run with .device on this machine: bring .device"
   fi
   export KPOOL_KERNEL_ONLY=1 KPOOL_STOCK=${KPOOL_STOCK:-$stock}
   logs=${OUT:-$(mktemp -d /tmp/kpool-gpu-tier.XXXXXX)}
@@ -102,7 +102,7 @@ case ${1:-} in
   --summarize) shift && summarize "$@" ;;
   --stock-topk)
     xz=${2:-}
-    [ -n "$xz" ] && [ -f "$xz" ] || die "--stock-topk: no file '$xz' (prepare.sh --stock-topk, carry .device2)"
+    [ -n "$xz" ] && [ -f "$xz" ] || die "--stock-topk: no file '$xz' (prepare.sh --stock-topk, then bring .device2)"
     shift 2
     setup
     xz -dc "$xz" >/tmp/kpool-stock-topk.so || die "could not unpack $xz"

@@ -2,11 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
-# Run HERE (CPU, the pinned vllm installed) before a GPU call, from anywhere:
+# Run on the development machine (CPU, the pinned vllm installed), before a
+# run on the GPU machine, from anywhere:
 #
 #   prepare.sh                  stage the patched stock sources and quack into
 #                               .device/stock; check .device (the CuTe DSL bundle
-#                               of ../shared/device/cutedsl-bundle.sh) and its size
+#                               of tools/kernel_env/cutedsl_bundle.sh) and its size
 #   prepare.sh --stock-topk     also the wheel's top-k binary, xz-compressed,
 #                               into .device2/c.so.xz (for gpu_tier.sh --stock-topk)
 #
@@ -14,7 +15,8 @@
 # KPOOL_TREE=DIR stages from that patched tree instead of the overlay that
 # tools/overlay.py builds (a hard-link copy of the installed vllm with the
 # patch set applied). .device and .device2 must be git-ignored (.device2 is
-# added to the git exclude file when missing): they travel only as carried.
+# added to the git exclude file when missing): they go to the GPU machine
+# beside the tree, each with the tree under 64 MiB.
 set -euo pipefail
 case ${1:-} in
   -h | --help) sed -n '5,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
@@ -26,7 +28,7 @@ py=${PYTHON:-python3}
 limit=$((64 * 1024 * 1024))
 tree_bytes=$(git ls-files -co --exclude-standard -z |
   { xargs -0 stat -c %s -- 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}')
-fits() {  # DIR: what a call carrying DIR sends (the tree and DIR) stays under the limit
+fits() {  # DIR: the tree and DIR, as they go to the GPU machine, stay under the limit
   local total=$(($(du -sb "$1" | cut -f1) + tree_bytes))
   echo "prepare.sh: $1 plus the tree: $((total / 1024)) KiB of $((limit / 1024))"
   [ "$total" -lt "$limit" ] || { echo "prepare.sh: $1 is too big to travel" >&2; exit 1; }
@@ -50,7 +52,7 @@ except patchset.PatchsetError as e:
 fi
 "$py" tools/kernel_env/stage.py --tree "$tree" --dest .device/stock
 if ! compgen -G ".device/cutedsl-*.tar.xz" >/dev/null || [ ! -f .device/env.sh ]; then
-  echo "prepare.sh: no CuTe DSL bundle in .device; run ../shared/device/cutedsl-bundle.sh .device" >&2
+  echo "prepare.sh: no CuTe DSL bundle in .device; run tools/kernel_env/cutedsl_bundle.sh" >&2
   exit 1
 fi
 fits .device
@@ -65,6 +67,6 @@ if [ "${1:-}" = --stock-topk ]; then
   mv .device2/c.so.xz.part .device2/c.so.xz
   fits .device2
 fi
-echo "prepare.sh: ready; on the GPU machine: tools/kernel_env/gpu_tier.sh (carry .device)"
+echo "prepare.sh: ready; on the GPU machine, with .device: tools/kernel_env/gpu_tier.sh"
 [ "${1:-}" != --stock-topk ] ||
-  echo "prepare.sh: then at once: tools/kernel_env/gpu_tier.sh --stock-topk .device2/c.so.xz (carry .device2)"
+  echo "prepare.sh: then, with .device2: tools/kernel_env/gpu_tier.sh --stock-topk .device2/c.so.xz"

@@ -3,8 +3,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
 # compute-sanitizer over the kernels' fuzz loops on the kernel-only GPU
-# machine, from the project root, after tools/kernel_env/prepare.sh here
-# (carry .device):
+# machine, from the project root, with .device (tools/kernel_env/prepare.sh)
+# beside it:
 #
 #   sanitize.sh [TOOL...]    memcheck racecheck initcheck synccheck (default: all)
 #

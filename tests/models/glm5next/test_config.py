@@ -185,10 +185,34 @@ BAD = [
         id="self-check-env",
     ),
     pytest.param(
-        {},
-        {SEED_ENV: "abc"},
-        "environment VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED='abc': expected an integer",
-        id="seed-env",
+        {"specialized_decode_self_check": "loud"},
+        {CHECK_ENV: "off"},
+        "additional_config specialized_decode_self_check='loud': expected one of "
+        "['on', 'off', 'strict']",
+        id="self-check-overridden",
+    ),
+    *(
+        pytest.param(
+            {},
+            {SEED_ENV: seed},
+            f"environment VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED={seed!r}: expected a "
+            "decimal integer in [0, 2147483647]",
+            id=f"seed-{name}",
+        )
+        for name, seed in [
+            ("word", "abc"),
+            ("negative", "-7"),
+            ("plus", "+7"),
+            ("underscore", "1_000"),
+            ("spaces", " 7 "),
+            ("newline", "7\n"),
+            ("hex", "0x1f"),
+            ("arabic-indic", "\u0667"),
+            ("fullwidth", "\uff17"),
+            ("2**31", "2147483648"),
+            ("10**23", str(10**23)),
+            ("5000-digits", "9" * 5000),
+        ]
     ),
     pytest.param(
         {"kpool_select": "yes"},
@@ -285,12 +309,43 @@ def test_self_check_setting(gpu, make_config, monkeypatch, mode):
     )
 
 
-@pytest.mark.parametrize("value, seed", [("123", 123), ("-4", -4), ("", None)])
+@pytest.mark.parametrize(
+    "value, seed",
+    [("123", 123), ("0", 0), ("007", 7), ("2147483647", 2**31 - 1), ("", None)],
+)
 def test_self_check_seed(gpu, make_config, monkeypatch, value, seed):
+    """ASCII decimal digits of a 31-bit value; empty: not given."""
     monkeypatch.setenv(SEED_ENV, value)
     config = read(make_config, ON)
     assert config.self_check_seed == seed
     assert (SEED_ENV in config.given) is bool(value)
+
+
+def override(mode: str, key: str) -> tuple[int, str]:
+    return (
+        logging.WARNING,
+        (
+            f"GLM-5-Next specialized decode: the self-check is {mode!r} from "
+            f"environment {CHECK_ENV}, which overrides additional_config "
+            f"specialized_decode_self_check={key!r}."
+        ),
+    )
+
+
+def test_an_overriding_variable_is_named(gpu, make_config, monkeypatch, vllm_log):
+    """The variable over a different key's value: one warning naming both,
+    with ``latency_specialized`` (under ``auto`` the warning of what is
+    ignored says it); the same value: none."""
+    monkeypatch.setenv(CHECK_ENV, "strict")
+    extra = {**ON, "specialized_decode_self_check": "off"}
+    assert read(make_config, extra).self_check == "strict"
+    assert messages(vllm_log) == [override("strict", "off")]
+    vllm_log.clear()
+    read(make_config, {**extra, "specialized_decode_self_check": "strict"})
+    assert messages(vllm_log) == []
+    read(make_config, {**extra, "decode_backend": "auto"})
+    names = f"specialized_decode_self_check, {CHECK_ENV}"
+    assert messages(vllm_log) == [(logging.WARNING, ignored(names))]
 
 
 @pytest.mark.parametrize(
@@ -326,6 +381,10 @@ def test_left_out_stage_needs_nothing(gpu, make_config):
         ("specialized_decode_selfcheck", "specialized_decode_self_check"),
         ("decode", "decode_backend"),
         ("kpool-select", "kpool_select"),
+        ("self_check", "specialized_decode_self_check"),
+        ("self-check", "specialized_decode_self_check"),
+        ("selfcheck", "specialized_decode_self_check"),
+        ("decode_skip", "specialized_decode_skip"),
         # A decode/specialized/kpool word without a valid key near it.
         ("kv_decode_speedup", None),
         ("use_specialized", None),
@@ -350,6 +409,49 @@ def test_unknown_keys_warn_with_the_nearest(
             ),
         )
     ]
+
+
+VALID_VARIABLES = f"{CHECK_ENV}, {SEED_ENV}"
+
+
+@pytest.mark.parametrize(
+    "name, near",
+    [
+        ("VLLM_GLM5NEXT_KPOOL_SELFCHECK", CHECK_ENV),
+        ("VLLM_GLM5NEXT_KPOOL_SELF_CHEK", CHECK_ENV),
+        ("VLLM_GLM5_NEXT_KPOOL_SELF_CHECK", CHECK_ENV),
+        ("VLLM_GLM5NEXT_KPOOL_SEED", SEED_ENV),
+        ("VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEEDS", SEED_ENV),
+        ("VLLM_KPOOL_SELF_CHECK", CHECK_ENV),
+        ("VLLM_GLM5NEXT_FAST", None),
+    ],
+)
+@pytest.mark.parametrize("backend", [{}, ON])
+def test_unknown_variables_warn_with_the_nearest(
+    gpu, make_config, monkeypatch, vllm_log, backend, name, near
+):
+    """A ``VLLM_`` variable named like this stage's (``GLM5NEXT`` or
+    ``KPOOL`` in it) but none of them warns, whatever the backend, naming
+    the nearest valid variable where one is close."""
+    monkeypatch.setenv(name, "on")
+    read(make_config, backend)
+    hint = f"; did you mean {near}?" if near else ""
+    assert messages(vllm_log) == [
+        (
+            logging.WARNING,
+            (
+                f"environment variable {name} is not a GLM-5-Next specialized decode "
+                f"variable and is ignored{hint} (valid variables: {VALID_VARIABLES})."
+            ),
+        )
+    ]
+
+
+def test_other_variables_do_not_warn(gpu, make_config, monkeypatch, vllm_log):
+    for name in ("VLLM_USE_BREAKABLE_CUDAGRAPH", "KPOOL_SEED", "VLLM_GLM_FAST"):
+        monkeypatch.setenv(name, "1")
+    read(make_config, ON)
+    assert messages(vllm_log) == []
 
 
 def test_other_keys_do_not_warn(gpu, make_config, vllm_log):
@@ -432,8 +534,10 @@ def test_every_compile_mode(gpu, make_config, mode):
     else:
         assert missing == [
             (
-                "no torch.compile of the model (compilation_config mode NONE, e.g. "
-                f"-O0; found {found[mode.name]})"
+                "no torch.compile of the model (compilation_config mode NONE: "
+                "vLLM's default for GLM-5-Next, with breakable CUDA graphs, unless "
+                "VLLM_USE_BREAKABLE_CUDAGRAPH=0; else -cc.mode=none; found "
+                f"{found[mode.name]})"
             )
         ]
 
@@ -446,8 +550,8 @@ def test_every_cudagraph_mode(gpu, make_config, mode):
         assert missing == [
             (
                 "no FULL CUDA graphs of mixed prefill-decode batches "
-                "(compilation_config cudagraph_mode FULL_DECODE_ONLY or PIECEWISE; "
-                "found FULL)"
+                "(compilation_config cudagraph_mode FULL_AND_PIECEWISE, the default, "
+                "FULL_DECODE_ONLY or PIECEWISE; found FULL)"
             )
         ]
     else:
@@ -480,9 +584,12 @@ def test_one_error_lists_every_requirement(gpu, make_config):
         "(found index_topk None, index_kpool 4, index_head_dim 128); no decode "
         "context parallelism (--decode-context-parallel-size 1; found 2); no "
         "micro-batching (leave out --enable-dbo and ubatch_size); no torch.compile "
-        "of the model (compilation_config mode NONE, e.g. -O0; found VLLM_COMPILE); "
-        "no FULL CUDA graphs of mixed prefill-decode batches (compilation_config "
-        "cudagraph_mode FULL_DECODE_ONLY or PIECEWISE; found FULL); JIT kernel "
+        "of the model (compilation_config mode NONE: vLLM's default for GLM-5-Next, "
+        "with breakable CUDA graphs, unless VLLM_USE_BREAKABLE_CUDAGRAPH=0; else "
+        "-cc.mode=none; found VLLM_COMPILE); no FULL CUDA graphs of mixed "
+        "prefill-decode batches (compilation_config cudagraph_mode "
+        "FULL_AND_PIECEWISE, the default, FULL_DECODE_ONLY or PIECEWISE; found "
+        "FULL); JIT kernel "
         "warmup (kernel_config enable_jit_warmup=True). Or leave the stages out "
         "with additional_config specialized_decode_skip=['dsa_kpool'], or use "
         "decode_backend=auto."

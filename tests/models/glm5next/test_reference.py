@@ -108,6 +108,12 @@ def unknown_key(make_config, monkeypatch, vllm_log, **_) -> list[str]:
     return logged(vllm_log, sd)
 
 
+def unknown_variable(make_config, monkeypatch, vllm_log, **_) -> list[str]:
+    """The self-check's variable without its last underscore."""
+    settings(make_config, monkeypatch, ON, {"VLLM_GLM5NEXT_KPOOL_SELFCHECK": "off"})
+    return logged(vllm_log, sd)
+
+
 def auto_ignores(make_config, monkeypatch, vllm_log, **_) -> list[str]:
     """Settings that only matter with latency_specialized, under auto."""
     extra = {"kpool_select": True, "specialized_decode_self_check": "strict"}
@@ -116,8 +122,9 @@ def auto_ignores(make_config, monkeypatch, vllm_log, **_) -> list[str]:
 
 
 def requirements(make_config, monkeypatch, gpu, **_) -> list[str]:
-    """An A100 (SM80) with decode context parallelism 2, vLLM's default
-    compilation mode and ``enforce_eager`` (which turns JIT warmup off)."""
+    """An A100 (SM80) with decode context parallelism 2, compilation mode
+    VLLM_COMPILE (vLLM's with ``VLLM_USE_BREAKABLE_CUDAGRAPH=0``) and
+    ``enforce_eager`` (which turns JIT warmup off)."""
     gpu(80)
     overrides = dict(
         parallel_config__decode_context_parallel_size=2,
@@ -177,6 +184,7 @@ def refused(**_) -> list[str]:
 EXAMPLES = {
     "bad-settings": bad_settings,
     "unknown-key": unknown_key,
+    "unknown-variable": unknown_variable,
     "auto-ignores": auto_ignores,
     "requirements": requirements,
     "installed": installed,

@@ -8,14 +8,17 @@ into a ``DecodeConfig``, and what a deployment must have to run the
   ``"latency_specialized"`` the stages;
 - ``specialized_decode_skip``: stage names to leave out;
 - ``specialized_decode_self_check``: ``"on"`` / ``"off"`` / ``"strict"``,
-  overridden by ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK``;
-- ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED``: the self-check's seed (an
-  integer; default a fresh one each warmup);
-- ``kpool_select``: ``true`` runs the stage's own pool top-k (the same set
-  as stock's, in ascending pool order: not stock's bytes) at every batch
-  size, so that a row's pools do not depend on its batch; ``"one_wave"``
-  only where every row's cluster is resident at once (stock's top-k, faster
-  on FP32 logits there, for larger batches); default ``false``.
+  overridden by ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK`` (both are checked; a
+  warning names the override where they differ);
+- ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED``: the self-check's seed, decimal
+  ASCII digits of a value in [0, 2**31) (31 bits, as the self-check's
+  failure line prints it); unset, the warmup picks it;
+- ``kpool_select``: ``true`` runs the stage's own pool top-k (stock's set
+  where no tie straddles its threshold, in ascending pool order: not
+  stock's bytes) at every batch size, so that a row's pools do not depend
+  on its batch; ``"one_wave"`` only where every row's cluster is resident
+  at once (stock's top-k, faster on FP32 logits there, for larger
+  batches); default ``false``.
 
 Every setting is read and checked first, whatever the backend: a bad value
 raises a ``ValueError`` that echoes it and says where it came from. Then,
@@ -23,7 +26,9 @@ with ``latency_specialized``, the requirements (one error lists every one
 missed); under ``auto`` one warning names the settings that are set but
 only matter with ``latency_specialized``. A key that looks like a setting
 but is none (``decode-backend``, ``select_kpool``) warns with the nearest
-valid key. vLLM is imported inside the functions.
+valid key, and a ``VLLM_`` variable named like this stage's
+(``VLLM_GLM5NEXT_KPOOL_SELFCHECK``) with the nearest valid variable. vLLM is
+imported inside the functions.
 """
 
 import difflib
@@ -60,8 +65,8 @@ class DecodeConfig:
     backend: str = "auto"
     # The stages this deployment runs, in STAGES order.
     stages: tuple[str, ...] = STAGES
-    # The warmup self-check: "on", "off" or "strict", and its seed (None: a
-    # fresh one each warmup).
+    # The warmup self-check: "on", "off" or "strict", and its seed (None:
+    # not given, the warmup's own).
     self_check: str = "on"
     self_check_seed: int | None = None
     # The opt-in pool select in place of stock's top-k (not stock's bytes),
@@ -76,6 +81,7 @@ def read_settings(extra: dict, environ) -> DecodeConfig:
     """Every setting of ``extra`` (``additional_config``) and ``environ``,
     checked; raises ``ValueError`` for a bad value, echoed with its source."""
     warn_unknown_keys(extra)
+    warn_unknown_variables(environ)
     given = tuple(k for k in CONFIG_KEYS if k in extra)
     given += tuple(v for v in ENV_VARS if environ.get(v))
     backend = extra.get(BACKEND_KEY, "auto")
@@ -84,26 +90,33 @@ def read_settings(extra: dict, environ) -> DecodeConfig:
     skip = extra.get(SKIP_KEY, [])
     if not isinstance(skip, list | tuple) or not all(name in STAGES for name in skip):
         raise _bad(SKIP_KEY, skip, f"a list of stage names out of {list(STAGES)}")
+    # Both checked; the variable, where set, overrides the key.
+    modes = {}
     if environ.get(SELF_CHECK_ENV):
-        mode, source = environ[SELF_CHECK_ENV], f"environment {SELF_CHECK_ENV}"
-    else:
-        mode = extra.get(SELF_CHECK_KEY, "on")
-        source = f"additional_config {SELF_CHECK_KEY}"
-    if mode not in SELF_CHECK_MODES:
-        raise ValueError(f"{source}={mode!r}: expected one of {list(SELF_CHECK_MODES)}")
-    seed = environ.get(SELF_CHECK_SEED_ENV) or None
-    if seed is not None:
-        try:
-            seed = int(seed)
-        except ValueError:
+        modes[f"environment {SELF_CHECK_ENV}"] = environ[SELF_CHECK_ENV]
+    if SELF_CHECK_KEY in extra:
+        modes[f"additional_config {SELF_CHECK_KEY}"] = extra[SELF_CHECK_KEY]
+    for source, value in modes.items():
+        if value not in SELF_CHECK_MODES:
             raise ValueError(
-                f"environment {SELF_CHECK_SEED_ENV}={seed!r}: expected an integer"
-            ) from None
+                f"{source}={value!r}: expected one of {list(SELF_CHECK_MODES)}"
+            )
+    mode = next(iter(modes.values()), "on")
+    seed = read_seed(environ.get(SELF_CHECK_SEED_ENV) or None)
     select = extra.get(SELECT_KEY, False)
     if not any(
         select is v if isinstance(v, bool) else select == v for v in SELECT_VALUES
     ):
         raise _bad(SELECT_KEY, select, 'true, false or "one_wave"')
+    if len(set(modes.values())) > 1 and backend == BACKEND:
+        logger.warning(
+            "GLM-5-Next specialized decode: the self-check is %r from "
+            "environment %s, which overrides additional_config %s=%r.",
+            mode,
+            SELF_CHECK_ENV,
+            SELF_CHECK_KEY,
+            extra[SELF_CHECK_KEY],
+        )
     return DecodeConfig(
         backend=backend,
         stages=tuple(name for name in STAGES if name not in skip),
@@ -112,6 +125,26 @@ def read_settings(extra: dict, environ) -> DecodeConfig:
         select=select is not False,
         select_one_wave=select == "one_wave",
         given=given,
+    )
+
+
+# A 31-bit seed, written as plain ASCII digits (no sign, space or "_").
+SEED_DIGITS = re.compile(r"[0-9]+")
+SEED_LIMIT = 2**31
+
+
+def read_seed(text: str | None) -> int | None:
+    """The self-check seed of ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED`` (None:
+    not set): decimal ASCII digits of a value below 2**31, else ValueError."""
+    if text is None:
+        return None
+    # int() of a long string is slow or refused: count the digits first.
+    digits = len(text.lstrip("0"))
+    if SEED_DIGITS.fullmatch(text) and digits <= 10 and int(text) < SEED_LIMIT:
+        return int(text)
+    raise ValueError(
+        f"environment {SELF_CHECK_SEED_ENV}={text!r}: expected a decimal integer "
+        f"in [0, {SEED_LIMIT - 1}]"
     )
 
 
@@ -155,25 +188,74 @@ def _words(key: str) -> frozenset[str]:
     return frozenset(w for w in re.split(r"[^a-z0-9]+", key) if w)
 
 
+# Words every setting name shares; a name made of these alone is near none.
+GENERIC = frozenset({"decode", "specialized", "kpool", "glm5next", "vllm"})
+
+
+def nearest(name: str, valid: tuple[str, ...]) -> str | None:
+    """The valid name ``name`` (lower case, ``_`` between words) most likely
+    meant: the same words in another order, two or more of one's words (not
+    only the generic ones), its words run together, else the closest
+    spelling; None where none is close."""
+    words, compact = _words(name), name.replace("_", "")
+    for near in (
+        [k for k in valid if _words(k) == words],
+        [k for k in valid if len(words) > 1 and words - GENERIC and words < _words(k)],
+        [
+            k
+            for k in valid
+            if len(compact) >= 8 and k.replace("_", "").endswith(compact)
+        ],
+        difflib.get_close_matches(name, valid, n=1, cutoff=0.6),
+    ):
+        if near:
+            return near[0]
+    return None
+
+
 def warn_unknown_keys(extra: dict) -> None:
     """Warns for each key of ``extra`` that reads like a specialized decode
-    setting (close to a valid key, the same words in another order, or a
-    ``decode``/``specialized``/``kpool`` word) but is none, naming the
-    nearest valid key."""
+    setting (near a valid key, or with a ``decode``/``specialized``/``kpool``
+    word) but is none, naming the nearest valid key."""
     for key in extra:
         if key in CONFIG_KEYS or not isinstance(key, str):
             continue
         normal = key.lower().replace("-", "_").replace("specialised", "specialized")
-        near = [k for k in CONFIG_KEYS if _words(k) == _words(normal)]
-        near = near or difflib.get_close_matches(normal, CONFIG_KEYS, n=1, cutoff=0.6)
+        near = nearest(normal, CONFIG_KEYS)
         if near or _words(normal) & {"decode", "specialized", "kpool"}:
             logger.warning(
                 "additional_config key %r is not a GLM-5-Next specialized "
                 "decode setting and is ignored%s (valid keys: %s).",
                 key,
-                f"; did you mean {near[0]!r}?" if near else "",
+                f"; did you mean {near!r}?" if near else "",
                 ", ".join(CONFIG_KEYS),
             )
+
+
+def _tail(variable: str) -> str:
+    """A variable's name after ``VLLM_`` and ``GLM5NEXT_``, lower case."""
+    return re.sub(r"^vllm_(glm5_?next_)?", "", variable.lower())
+
+
+def warn_unknown_variables(environ) -> None:
+    """Warns for each environment variable named like this stage's
+    (``VLLM_`` with ``GLM5NEXT`` or ``KPOOL``) but none of them, naming the
+    nearest."""
+    for name in environ:
+        upper = name.upper()
+        ours = "GLM5NEXT" in upper.replace("_", "") or "KPOOL" in upper
+        if name in ENV_VARS or not upper.startswith("VLLM_") or not ours:
+            continue
+        # Compared after the prefix, which every one of them shares.
+        tails = {_tail(v): v for v in ENV_VARS}
+        near = tails.get(nearest(_tail(name), tuple(tails)))
+        logger.warning(
+            "environment variable %s is not a GLM-5-Next specialized decode "
+            "variable and is ignored%s (valid variables: %s).",
+            name,
+            f"; did you mean {near}?" if near else "",
+            ", ".join(ENV_VARS),
+        )
 
 
 def unsupported(vllm_config) -> list[str]:
@@ -220,14 +302,19 @@ def unsupported(vllm_config) -> list[str]:
             not parallel.use_ubatching
         ),
         # The routing is host code run at each eager step and capture; a
-        # compiled forward would trace one decision into every step.
-        "no torch.compile of the model (compilation_config mode NONE, "
-        f"e.g. -O0; found {CompilationMode(compilation.mode).name})": (
+        # compiled forward would trace one decision into every step. vLLM
+        # gives GLM-5-Next mode NONE with breakable CUDA graphs by default;
+        # -O0 would also turn the CUDA graphs off.
+        "no torch.compile of the model (compilation_config mode NONE: vLLM's "
+        "default for GLM-5-Next, with breakable CUDA graphs, unless "
+        "VLLM_USE_BREAKABLE_CUDAGRAPH=0; else -cc.mode=none; found "
+        f"{CompilationMode(compilation.mode).name})": (
             compilation.mode == CompilationMode.NONE
         ),
         # A FULL graph replays its capture's routing, which must be decode's.
         "no FULL CUDA graphs of mixed prefill-decode batches (compilation_config "
-        f"cudagraph_mode FULL_DECODE_ONLY or PIECEWISE; found {cudagraph_mode!s})": (
+        "cudagraph_mode FULL_AND_PIECEWISE, the default, FULL_DECODE_ONLY or "
+        f"PIECEWISE; found {cudagraph_mode!s})": (
             cudagraph_mode is None or cudagraph_mode.mixed_mode() != CUDAGraphMode.FULL
         ),
         # Decode steps and graph captures must never compile a kernel.
