@@ -85,6 +85,9 @@ STAND_INS = {
     "vllm.utils.torch_utils.current_stream": "torch_utils is not staged",
     # CUDA when torch sees a GPU.
     "vllm.platforms.current_platform": "no platform detection",
+    # The warmup's rank verdicts: called only where torch.distributed is set
+    # up, which the kernel-only runs never do.
+    "vllm.distributed.get_tp_group": "vLLM's distributed state is not staged",
     **dict.fromkeys(RAISING, "raises unless replaced"),
     **dict.fromkeys(IMPLS, "their modules do not load there"),
 }

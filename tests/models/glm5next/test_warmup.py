@@ -105,17 +105,21 @@ def test_warmup_self_check(monkeypatch, model, vllm_log, mode, problem, on, leve
 
 
 def test_self_check_seed(monkeypatch, model, vllm_log):
-    """Without a seed to replay, a fresh 31-bit one, printed on failure."""
-    seeds, bits = [], []
+    """Without a seed to replay, the fixed default (every rank and run checks
+    the same cases), a 31-bit one, printed on failure."""
+    seeds = []
     monkeypatch.setattr(
         self_check, "check", lambda keys, seed, device: seeds.append(seed) or "bad"
     )
-    monkeypatch.setattr(warmup.secrets, "randbits", lambda n: bits.append(n) or 12345)
-    entry = StageWarmup(model.stage, model.engine.attentions)
-    entry.compile_many(entry.get_warmup_keys())
-    assert bits == [31] and seeds == [12345] and not model.stage.executors
-    [record] = warmup_lines(vllm_log)
-    assert record.getMessage().endswith(f"(replay with {SELF_CHECK_SEED_ENV}=12345).")
+    for _ in range(2):
+        entry = StageWarmup(model.stage, model.engine.attentions)
+        entry.compile_many(entry.get_warmup_keys())
+    assert seeds == [warmup.SELF_CHECK_SEED] * 2 and not model.stage.executors
+    assert 0 <= warmup.SELF_CHECK_SEED < 2**31
+    record = warmup_lines(vllm_log)[-1]
+    assert record.getMessage().endswith(
+        f"(replay with {SELF_CHECK_SEED_ENV}={warmup.SELF_CHECK_SEED})."
+    )
 
 
 def failing(monkeypatch):
@@ -210,3 +214,76 @@ def test_no_select_keys_unless_opted_in_and_fused(select, fuse):
     stage = SimpleNamespace(mx_scales=True, select=select, fuse=fuse, max_rows=8)
     kernels = [k for k, _ in warmup.deployment_values(stage, [_layer(65536)])]
     assert SELECT not in kernels and KERNELS["upcast"] in kernels
+
+
+# (mode, the rank whose self-check fails or None) of each warmup the ranks run.
+SCENARIOS = (("on", None), ("on", 1), ("strict", None), ("strict", 1))
+
+
+def _rank_warmup(rank: int, ranks: int, init: str, out):
+    """One tensor-parallel rank (a process, vLLM's groups over gloo): a
+    warmup of one key for each of ``SCENARIOS``, its self-check failing on
+    the scenario's rank; puts (scenario, rank, whether the stage got
+    executors, the error lines or the raised message) on ``out``."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
+        parallel_state.init_distributed_environment(ranks, rank, init, rank, "gloo")
+        parallel_state.initialize_model_parallel(ranks, backend="gloo")
+    lines: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger(warmup.__name__).addHandler(handler)
+    kernel = SimpleNamespace(executor=lambda key: object())
+    for scenario, (mode, failing) in enumerate(SCENARIOS):
+        lines.clear()
+        self_check.check = lambda executors, seed, device, failing=failing: (
+            "UpdateKernel case 5 (seed 9): differs" if rank == failing else None
+        )
+        stage = SimpleNamespace(executors={}, pool_buffer=torch.empty(0))
+        try:
+            StageWarmup(stage, [], mode).compile_many(
+                [StageWarmup.CompileKey(kernel, "key")]
+            )
+        except RuntimeError as error:
+            lines.append(f"raised: {error}")
+        out.put((scenario, rank, bool(stage.executors), list(lines)))
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+
+
+def test_ranks_fall_back_together(tmp_path):
+    """Three tensor-parallel ranks in three processes (vLLM's groups over
+    gloo on the CPU): where rank 1's self-check fails, no rank runs the
+    stage and every rank logs (or, "strict", raises) one line naming rank
+    1; where all pass, all run it."""
+    import multiprocessing
+
+    ranks, context = 3, multiprocessing.get_context("spawn")
+    out = context.Queue()
+    args = (ranks, f"file://{tmp_path}/init", out)
+    procs = [
+        context.Process(target=_rank_warmup, args=(r, *args)) for r in range(ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    got = sorted(out.get(timeout=300) for _ in range(ranks * len(SCENARIOS)))
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0] * ranks
+    named = (
+        "the warmup failed on tensor-parallel rank(s) [1] of 3; dsa_kpool stays "
+        "off on every rank and the decode runs stock."
+    )
+    for scenario, rank, on, lines in got:
+        mode, failing = SCENARIOS[scenario]
+        if failing is None:
+            assert on and lines == [], (mode, rank, lines)
+        elif mode == "strict":
+            [line] = lines
+            assert not on and line.startswith("raised: "), (rank, line)
+            assert ("UpdateKernel case 5" if rank == 1 else named) in line, line
+        else:
+            assert not on and lines[-1].endswith(named), (rank, lines)
+            assert len(lines) == (2 if rank == 1 else 1), (rank, lines)

@@ -3,7 +3,6 @@
 """The stage's JIT warmup: the kernel variants a planned step of its layers
 can launch, compiled before CUDA graph capture, then self-checked."""
 
-import secrets
 import time
 from typing import Any, NamedTuple
 
@@ -26,6 +25,9 @@ logger = init_logger(__name__)
 # The dtypes the indexer hands the kernels: the model runner's int64
 # positions (int32 where it casts them) and slot mappings.
 POSITIONS, SLOTS = torch.int64, torch.int64
+# The self-check's seed where the deployment gives none: one seed for every
+# rank and run, so that tensor-parallel ranks check the same cases.
+SELF_CHECK_SEED = 1592590337
 
 
 def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
@@ -118,8 +120,9 @@ class StageWarmup(VllmJitKernel["StageWarmup.CompileKey"]):
     def __init__(self, stage, attentions, self_check: str = "on", seed=None):
         super().__init__()
         self.stage, self.attentions = stage, list(attentions)
-        # The self-check's mode and seed (None: a fresh one each warmup).
-        self.self_check, self.seed = self_check, seed
+        # The self-check's mode and seed (None: SELF_CHECK_SEED).
+        self.self_check = self_check
+        self.seed = SELF_CHECK_SEED if seed is None else seed
 
     def get_warmup_keys(self, vllm_config=None) -> list[CompileKey]:
         keys: dict = {}
@@ -132,21 +135,40 @@ class StageWarmup(VllmJitKernel["StageWarmup.CompileKey"]):
         compile_key.kernel.compile(compile_key.key)
 
     def compile_many(self, compile_keys) -> None:
+        """Compiles the keys and self-checks them; the stage gets the
+        executors only where every tensor-parallel rank's warmup passed
+        (``failed_ranks``), so that all ranks run the stage or all run
+        stock. "strict" raises on every rank, once all have answered."""
+        failure: Exception | None = None
         try:
             executors = {
                 key: kernel.executor(key) for kernel, key in list(compile_keys)
             }
-            if self.self_check == "off" or self.check(executors):
-                self.stage.executors = executors
+            passed = self.self_check == "off" or self.check(executors)
         except Exception as error:
-            if self.self_check == "strict":
-                raise
-            logger.exception(
-                "GLM-5-Next specialized decode: warmup failed (%s); %s stays "
-                "off and the decode runs stock.",
-                error,
-                STAGE,
+            failure, passed = error, False
+            if self.self_check != "strict":
+                logger.exception(
+                    "GLM-5-Next specialized decode: warmup failed (%s); %s stays "
+                    "off and the decode runs stock.",
+                    error,
+                    STAGE,
+                )
+        failed, ranks = failed_ranks(passed)
+        if not failed:
+            self.stage.executors = executors
+            return
+        if self.self_check == "strict" and failure is not None:
+            raise failure
+        if ranks > 1:
+            message = (
+                f"GLM-5-Next specialized decode: the warmup failed on "
+                f"tensor-parallel rank(s) {failed} of {ranks}; {STAGE} stays off "
+                "on every rank and the decode runs stock."
             )
+            if self.self_check == "strict":
+                raise RuntimeError(message) from failure
+            logger.error(message)
 
     def check(self, executors: dict) -> bool:
         """The self-check on this GPU: True when every compiled kernel gave
@@ -154,7 +176,7 @@ class StageWarmup(VllmJitKernel["StageWarmup.CompileKey"]):
         the seed to replay it), or in "strict" a RuntimeError."""
         from vllm.models.glm5next.nvidia.specialized_decode import self_check
 
-        seed = secrets.randbits(31) if self.seed is None else self.seed
+        seed = self.seed
         started = time.perf_counter()
         device = self.stage.pool_buffer.device
         problem = self_check.check(executors, seed, device)
@@ -179,3 +201,20 @@ class StageWarmup(VllmJitKernel["StageWarmup.CompileKey"]):
             raise RuntimeError(message)
         logger.error(message)
         return False
+
+
+def failed_ranks(passed: bool) -> tuple[list[int], int]:
+    """The tensor-parallel ranks whose warmup failed, and how many ranks
+    there are: this process's own verdict where no process group is set up,
+    else every rank's, gathered over the group's CPU (gloo) group at warmup.
+    Every rank of the group must call it."""
+    if not torch.distributed.is_initialized():
+        return ([] if passed else [0]), 1
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return ([] if passed else [0]), 1
+    verdicts: list = [None] * group.world_size
+    torch.distributed.all_gather_object(verdicts, passed, group=group.cpu_group)
+    return [rank for rank, ok in enumerate(verdicts) if not ok], group.world_size
