@@ -27,7 +27,9 @@
 # counted apart, the skip reasons, pytest's exit status. Logs and JUnit XML
 # go to $OUT (else a new /tmp/kpool-gpu-tier.* dir). KPOOL_SEED replays a
 # printed seed, KPOOL_FUZZ_CASES sets the cases a fuzz loop draws.
-# KPOOL_GPU_TESTS / KPOOL_SELECT_TESTS override the test paths below.
+# KPOOL_GPU_TESTS / KPOOL_SELECT_TESTS override the test paths below. With
+# .device/deep_gemm.tar.xz (prepare.sh --deep-gemm) it unpacks vLLM's DeepGEMM
+# into /tmp/kpool-deep-gemm and sets KPOOL_DEEP_GEMM (tools/bench.py --deep-gemm).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 TESTS=${KPOOL_GPU_TESTS:-"tests/models/glm5next/specialized_decode tests/models/glm5next/test_indexer_decode_steps.py"}
@@ -76,6 +78,14 @@ setup() {  # the CuTe DSL on PYTHONPATH, the shim on, KPOOL_STOCK: this run's st
     stock=/tmp/kpool-stock
   else
     die "no .device here and no earlier run with .device on this machine: bring .device"
+  fi
+  if [ -f .device/deep_gemm.tar.xz ]; then  # prepare.sh --deep-gemm
+    rm -rf /tmp/kpool-deep-gemm && mkdir -p /tmp/kpool-deep-gemm &&
+      tar xJf .device/deep_gemm.tar.xz -C /tmp/kpool-deep-gemm ||
+      die "could not unpack .device/deep_gemm.tar.xz"
+  fi
+  if [ -d /tmp/kpool-deep-gemm/deep_gemm ]; then  # its JIT needs nvcc
+    export KPOOL_DEEP_GEMM=/tmp/kpool-deep-gemm CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
   fi
   export KPOOL_KERNEL_ONLY=1 KPOOL_STOCK=${KPOOL_STOCK:-$stock}
   logs=${OUT:-$(mktemp -d /tmp/kpool-gpu-tier.XXXXXX)}

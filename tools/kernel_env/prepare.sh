@@ -10,6 +10,10 @@
 #                               of tools/kernel_env/cutedsl_bundle.sh) and its size
 #   prepare.sh --stock-topk     also the wheel's top-k binary, xz-compressed,
 #                               into .device2/c.so.xz (for gpu_tier.sh --stock-topk)
+#   prepare.sh --deep-gemm      also vLLM's vendored DeepGEMM (vllm/third_party/
+#                               deep_gemm, its JIT headers and binary), xz-compressed,
+#                               into .device/deep_gemm.tar.xz (about 6 MB: the step
+#                               benchmark and the scores tests; gpu_tier.sh unpacks it)
 #
 # PYTHON: a python with the pinned vllm (patches/base.json), default python3;
 # KPOOL_TREE=DIR stages from that patched tree instead of the overlay that
@@ -20,7 +24,7 @@
 set -euo pipefail
 case ${1:-} in
   -h | --help) sed -n '5,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
-  "" | --stock-topk) ;;
+  "" | --stock-topk | --deep-gemm) ;;
   *) echo "prepare.sh: unknown argument $1 (--help)" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/../.."
@@ -57,6 +61,13 @@ if ! compgen -G ".device/cutedsl-*.tar.xz" >/dev/null || [ ! -f .device/env.sh ]
 fi
 fits .device
 
+if [ "${1:-}" = --deep-gemm ]; then
+  site=$("$py" -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')
+  tar cf - -C "$site/vllm/third_party" --exclude=__pycache__ deep_gemm |
+    xz -6 -T2 >.device/deep_gemm.tar.xz.part
+  mv .device/deep_gemm.tar.xz.part .device/deep_gemm.tar.xz
+  fits .device
+fi
 if [ "${1:-}" = --stock-topk ]; then
   git check-ignore -q .device2/c.so.xz ||
     echo /.device2/ >>"$(git rev-parse --git-path info/exclude)"
