@@ -23,10 +23,12 @@ with the FP32 rounding of DeepGEMM's SM90 kernel, step for step:
   (nvcc contracts ``sum += relu(acc) * w``); then ``(even + odd) * scale``,
   then the quad's four partials ``(c0 + c1) + (c2 + c3)`` (two butterfly
   shuffles).
+- 16 heads: as vLLM's padding of them to 32 zero heads for DeepGEMM.
 
-Columns at or past ``ctx`` are not written (DeepGEMM writes up to the next
-multiple of 64 values nobody reads). Each arithmetic step is one inline-PTX
-instruction, so LLVM neither contracts nor re-associates it.
+Columns at or past ``ctx`` (or the row width) are not written (DeepGEMM
+writes up to the next multiple of 64 values nobody reads). Each arithmetic
+step is one inline-PTX instruction, so LLVM neither contracts nor
+re-associates it.
 
 CTA ``(split, b)`` takes the contiguous tiles ``[split * per, (split + 1) *
 per)`` of entry ``b``'s ``ceil(ctx / 64)`` tiles (``per = ceil(tiles /
@@ -179,7 +181,8 @@ class KpoolScores:
         # kernels' outputs.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        ctx = seq_lens[entry, self.next_n - 1]
+        # The pools scored: the last row's context, within the row width.
+        ctx = cutlass.min(seq_lens[entry, self.next_n - 1], logits.shape[1])
         tiles = (ctx + TILE - 1) // TILE
         per = (tiles + splits - 1) // splits
         first = split * per
@@ -234,7 +237,7 @@ class KpoolScores:
             )  # fmt: skip
 
     def allocate(self):
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         atom = warpgroup.make_smem_layout_atom(
             warpgroup.SmemLayoutAtomKind.K_SW128, Float8E4M3FN
         )
@@ -365,6 +368,11 @@ class KpoolScores:
                         sums[e] = relu_mul(value, w)
                     else:
                         sums[e] = relu_fma(value, w, sums[e])
+            if cutlass.const_expr(self.heads == 16):
+                # Stock pads 16 heads to 32 zero ones; their terms
+                # fma(0, 0, sum) add +0.0, which turns a -0.0 sum into +0.0.
+                for e in cutlass.range_constexpr(4):
+                    sums[e] = add(sums[e], Float32(0.0))
             v0 = add_mul(sums[0], sums[1], scale0)
             v1 = add_mul(sums[2], sums[3], scale1)
             for offset in cutlass.range_constexpr(2):
