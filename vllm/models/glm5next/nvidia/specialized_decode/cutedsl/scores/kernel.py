@@ -18,11 +18,14 @@ with the FP32 rounding of DeepGEMM's SM90 kernel, step for step:
   instructions on the same operands give the same FP32 sums.
 - the head sum, as the accumulator's register layout hands the heads to a
   quad of lanes: lane ``l % 4 = c`` holds heads ``8 j + 2 c`` (even) and
-  ``8 j + 2 c + 1`` (odd); each is summed over ``j`` ascending, the first
-  term a product ``relu(acc) * w``, the others ``fma(relu(acc), w, sum)``
-  (nvcc contracts ``sum += relu(acc) * w``); then ``(even + odd) * scale``,
-  then the quad's four partials ``(c0 + c1) + (c2 + c3)`` (two butterfly
-  shuffles).
+  ``8 j + 2 c + 1`` (odd); each is summed over ``j`` ascending as nvcc
+  compiles DeepGEMM's ``sum = t(0); sum += t(j)`` with ``t(j) = relu(acc_j)
+  * w_j`` (its SASS: FMUL, then FFMA): ``fma(relu(acc_0), w_0, t(1))``,
+  then ``fma(relu(acc_j), w_j, sum)`` for ``j >= 2``; then ``(even + odd)
+  * scale``, then the quad's four partials ``(c0 + c1) + (c2 + c3)`` (two
+  butterfly shuffles). With nvcc's ``--use_fast_math`` DeepGEMM's steps
+  would flush FP32 denormals (``.ftz``), which these do not: the two differ
+  only where a product, a sum or a logit falls below 2^-126.
 - 16 heads: as vLLM's padding of them to 32 zero heads for DeepGEMM.
 
 Columns at or past ``ctx`` (or the row width) are not written (DeepGEMM
@@ -216,9 +219,7 @@ class KpoolScores:
             if warp == 0:
                 if lane == 0:
                     cute.arch.mbarrier_arrive_and_expect_tx(bars + STAGES, self.n * DIM)
-                    cute.copy(
-                        tma_q, q_gmem[None, entry], q_smem, tma_bar_ptr=bars + STAGES
-                    )
+                cute.copy(tma_q, q_gmem[None, entry], q_smem, tma_bar_ptr=bars + STAGES)
                 ahead = cutlass.min(last - first, STAGES)
                 for t in cutlass.range(first, first + ahead, unroll=1):
                     window = self.issue(
@@ -283,23 +284,21 @@ class KpoolScores:
                 if index < pages_used:
                     window = block_table[entry, index]
             page = cute.arch.shuffle_sync(window, offset=slot % 32)
-            if lane == 0:
-                if p == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(
-                        bars + stage, TILE * (DIM + 4)
-                    )
-                cute.copy(
-                    tma_k,
-                    k_gmem[None, page],
-                    k_smem[None, stage * self.pages + p],
-                    tma_bar_ptr=bars + stage,
-                )
-                cute.copy(
-                    tma_s,
-                    s_gmem[None, page],
-                    s_smem[None, stage * self.pages + p],
-                    tma_bar_ptr=bars + stage,
-                )
+            if p == 0 and lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + stage, TILE * (DIM + 4))
+            # The whole warp: the TMA copy elects its issuing lane.
+            cute.copy(
+                tma_k,
+                k_gmem[None, page],
+                k_smem[None, stage * self.pages + p],
+                tma_bar_ptr=bars + stage,
+            )
+            cute.copy(
+                tma_s,
+                s_gmem[None, page],
+                s_smem[None, stage * self.pages + p],
+                tma_bar_ptr=bars + stage,
+            )
         return window
 
     @cute.jit
@@ -360,12 +359,14 @@ class KpoolScores:
         for i in cutlass.range_constexpr(self.next_n):
             base = i * self.heads // 2  # the row's first accumulator
             sums = [Float32(0.0)] * 4
-            for j in cutlass.range_constexpr(groups):
-                for e in cutlass.range_constexpr(4):
+            for e in cutlass.range_constexpr(4):
+                first = acc[base + e], s_w[i * self.heads + 2 * quad + e % 2]
+                for j in cutlass.range_constexpr(1, groups):
                     w = s_w[i * self.heads + 8 * j + 2 * quad + e % 2]
                     value = acc[base + 4 * j + e]
-                    if j == 0:
-                        sums[e] = relu_mul(value, w)
+                    if j == 1:
+                        # nvcc fuses the first product into the second add.
+                        sums[e] = relu_fma(*first, relu_mul(value, w))
                     else:
                         sums[e] = relu_fma(value, w, sums[e])
             if cutlass.const_expr(self.heads == 16):
