@@ -85,23 +85,22 @@ def _graph_us(fn, rep_ms: float) -> float:
 
 def scores_us(
     entries: int,
-    tokens: int,
+    pools: int,
     heads: int = 32,
     next_n: int = 1,
     block: int = 64,
     max_model_len: int | None = None,
     rep_ms: float = 100.0,
 ) -> dict:
-    """µs per call, graph-replayed, at ``entries`` entries of ``tokens``
-    tokens (``tokens / 4`` pools) each: ``ours``, ``deep_gemm`` (None where
+    """µs per call, graph-replayed, at ``entries`` entries of ``pools``
+    pools (4 tokens each) each: ``ours``, ``deep_gemm`` (None where
     it does not import or refuses the shape), ``copy`` (a device copy of the
     cache rows' bytes: one read and one write of them)."""
     scores = _load()
-    pools = tokens // 4
     width = max_model_len or pools
-    gen = torch.Generator("cuda").manual_seed(entries * 1000003 + tokens)
+    gen = torch.Generator("cuda").manual_seed(entries * 1000003 + pools)
     args = _inputs(entries, pools, heads, next_n, block, width, gen)
-    row = {"entries": entries, "tokens": tokens, "heads": heads,
+    row = {"entries": entries, "pools": pools, "heads": heads,
            "next_n": next_n, "block": block, "width": width}  # fmt: skip
     scores(**args)  # compiles, untimed
     row["ours"] = _graph_us(lambda: scores(**args), rep_ms)
@@ -133,7 +132,7 @@ def scores_us(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--entries", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--tokens", type=int, nargs="+",
+    parser.add_argument("--pools", type=int, nargs="+",
                         default=[4096, 65536, 262144])  # fmt: skip
     parser.add_argument("--heads", type=int, nargs="+", default=[32])
     parser.add_argument("--next-n", type=int, nargs="+", default=[1])
@@ -143,8 +142,8 @@ def main() -> None:
     for heads in a.heads:
         for next_n in a.next_n:
             for entries in a.entries:
-                for tokens in a.tokens:
-                    row = scores_us(entries, tokens, heads, next_n, a.block,
+                for pools in a.pools:
+                    row = scores_us(entries, pools, heads, next_n, a.block,
                                     rep_ms=a.rep_ms)  # fmt: skip
                     print(json.dumps(row), flush=True)
 
