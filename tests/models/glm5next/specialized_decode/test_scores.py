@@ -275,9 +275,9 @@ def _reference(args):
         if n == 0:
             continue
         pages = table[b, : -(-n // block)].long()
-        k = flat[pages, : block * DIM].view(FP8).double().reshape(-1, DIM)[:n]
+        k = flat[pages, : block * DIM].view(FP8).float().double().reshape(-1, DIM)[:n]
         s = flat[pages, block * DIM :].contiguous().view(F32).double().reshape(-1)[:n]
-        qb = q[b].double().reshape(next_n * heads, DIM)
+        qb = q[b].float().double().reshape(next_n * heads, DIM)
         dots = (k @ qb.T).view(n, next_n, heads)
         mags = (k.abs() @ qb.abs().T).view(n, next_n, heads)
         value = (dots.clamp(min=0) * w[b]).sum(-1) * s[:, None]
