@@ -1,0 +1,417 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``cutedsl/scores``: ``SCORES``, the decode scores over the paged FP8
+index cache (DeepGEMM's SM90 ``fp8_fp4_paged_mqa_logits``).
+
+CPU: the rule at its edges (each argument refused by name), the CTAs an
+entry takes, the compile keys the warmup lists, the compile of every key
+for sm_90a and its PTX (the wgmma shape and count, the epilogue's FMAs, PDL,
+no spills). GPU: randomized steps over heads {16, 32, 64}, next_n 1 to 4,
+1 to 256 entries (zero, short and long contexts, block tables wider than
+needed and filled past the entry's pages with ids no cache has), against a
+float64 reference written here from the definition (max error relative to
+the terms' magnitude, and in ulps of the value), and, where ``import
+deep_gemm`` works (SM90 takes next_n 1, 2 and 4, heads 32 and 64, 16 heads
+zero-padded to 32 as vLLM pads them), against DeepGEMM's bytes below each
+entry's context, with the share of rows whose top-512 set differs."""
+
+import random
+
+import pytest
+import torch
+from kernel_ptx import compile_ptx, ops, resources
+from kpool_fuzz import FUZZ_REPORT, fuzz_seed
+
+from vllm.model_executor.warmup.jit_warmup import WarmupChoices
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common.host import (
+    Refused,
+)
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.kernel import (
+    DIM,
+    THREADS,
+)
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch import (
+    BLOCKS,
+    CTAS_PER_SM,
+    HEADS,
+    NEXT_N,
+    SCORES,
+    check,
+    row_stride,
+    splits_for,
+)
+
+FP8, F32, I32, U8 = torch.float8_e4m3fn, torch.float32, torch.int32, torch.uint8
+TOPK = 512  # GLM-5-Next's index_topk 2048 / index_kpool 4
+ALL_KEYS = [SCORES.CompileKey(h, n, b) for h in HEADS for n in NEXT_N for b in BLOCKS]
+
+
+# --- CPU: the rule, the split, the keys, the PTX ----------------------------
+
+
+def _meta_args(entries=2, next_n=1, heads=32, block=64, blocks=8, width=256):
+    """Arguments on the meta device of a well-formed call."""
+    m = dict(device="meta")
+    return dict(
+        q=(torch.empty(entries, next_n, heads, DIM, dtype=FP8, **m), None),
+        kv_cache=torch.empty(blocks, block * (DIM + 4), dtype=U8, **m).view(
+            blocks, block, 1, DIM + 4
+        ),
+        weights=torch.empty(entries * next_n, heads, dtype=F32, **m),
+        seq_lens=torch.empty(entries, next_n, dtype=I32, **m),
+        block_table=torch.empty(entries, 5, dtype=I32, **m),
+        max_model_len=width,
+        out=None,
+    )
+
+
+def _refused_argument(args) -> str:
+    with pytest.raises(Refused) as error:
+        # Devices are checked first; the meta tensors stand in for CUDA.
+        check(**args)
+    return str(error.value).split(":")[0]
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """``check``'s device test passes meta tensors (the rule after it is what
+    these tests exercise)."""
+    import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch as m
+
+    monkeypatch.setattr(m, "check_devices", lambda *a, **k: None)
+
+
+def test_scores_rule_takes_the_stock_shapes(on_cuda):
+    """Every head count, next_n and page size the kernel serves passes."""
+    for heads in HEADS:
+        for next_n in NEXT_N:
+            for block in BLOCKS:
+                check(**_meta_args(next_n=next_n, heads=heads, block=block))
+
+
+@pytest.mark.parametrize(
+    "argument,change",
+    [
+        ("q", lambda a: a.update(q=a["q"][0])),
+        ("q", lambda a: a.update(q=(a["q"][0], torch.empty(1, device="meta")))),
+        ("q", lambda a: a.update(q=(a["q"][0].to(torch.float8_e5m2), None))),
+        ("q", lambda a: a.update(q=(torch.empty(2, 1, 48, DIM, dtype=FP8), None))),
+        ("q", lambda a: a.update(q=(torch.empty(2, 5, 32, DIM, dtype=FP8), None))),
+        ("q", lambda a: a.update(q=(torch.empty(2, 1, 32, 64, dtype=FP8), None))),
+        (
+            "q",
+            lambda a: a.update(
+                q=(torch.empty(2, DIM, 32, dtype=FP8).transpose(1, 2)[:, None], None)
+            ),
+        ),
+        ("kv_cache", lambda a: a.update(kv_cache=a["kv_cache"].view(torch.int8))),
+        (
+            "kv_cache",
+            lambda a: a.update(
+                kv_cache=torch.empty(8, 16 * (DIM + 4), dtype=U8).view(
+                    8, 16, 1, DIM + 4
+                )
+            ),
+        ),
+        (
+            "kv_cache",
+            lambda a: a.update(
+                kv_cache=torch.empty(8, 64 * DIM + 8, dtype=U8)[:, : 64 * DIM].view(
+                    8, 64, 1, DIM
+                )
+            ),
+        ),
+        (
+            "kv_cache",  # pages not a 16-byte multiple apart
+            lambda a: a.update(
+                kv_cache=torch.empty(8, 64 * (DIM + 4) + 4, dtype=U8)[
+                    :, : 64 * (DIM + 4)
+                ].view(8, 64, 1, DIM + 4)
+            ),
+        ),
+        ("weights", lambda a: a.update(weights=a["weights"].half())),
+        ("weights", lambda a: a.update(weights=a["weights"][:1])),
+        ("weights", lambda a: a.update(weights=torch.empty(32, 2).t())),
+        ("seq_lens", lambda a: a.update(seq_lens=a["seq_lens"].long())),
+        ("seq_lens", lambda a: a.update(seq_lens=a["seq_lens"].view(-1))),
+        ("block_table", lambda a: a.update(block_table=a["block_table"].long())),
+        ("block_table", lambda a: a.update(block_table=a["block_table"][:1])),
+        ("block_table", lambda a: a.update(block_table=torch.empty(5, 2).t())),
+        ("max_model_len", lambda a: a.update(max_model_len=0)),
+        ("max_model_len", lambda a: a.update(max_model_len=256.0)),
+        ("out", lambda a: a.update(out=torch.empty(2, 255))),
+        ("out", lambda a: a.update(out=torch.empty(2, 256, dtype=torch.bfloat16))),
+        ("out", lambda a: a.update(out=torch.empty(256, 2).t())),
+    ],
+)
+def test_scores_rule_refuses_by_name(on_cuda, argument, change):
+    """A call outside the rule raises ``Refused`` naming the argument."""
+    args = _meta_args()
+    change(args)
+    assert _refused_argument(args) == argument
+
+
+def test_scores_rule_wants_cuda_tensors():
+    """CPU tensors are refused, naming the first."""
+    args = _meta_args()
+    args["q"] = (torch.empty(2, 1, 32, DIM, dtype=FP8), None)
+    assert _refused_argument(args) == "q"
+
+
+def test_scores_splits():
+    """An entry's tiles are split over ``CTAS_PER_SM * sms / entries`` CTAs,
+    at least one, at most one a 64-pool tile of the width."""
+    assert splits_for(1, 65536, 132) == CTAS_PER_SM * 132
+    assert splits_for(8, 65536, 132) == -(-CTAS_PER_SM * 132 // 8)
+    assert splits_for(1000, 65536, 132) == 1
+    assert splits_for(1, 100, 132) == 2
+    assert splits_for(1, 1, 132) == 1
+    assert row_stride(1) == 256 and row_stride(256) == 256 and row_stride(257) == 512
+
+
+def test_scores_warmup_keys():
+    """The warmup lists one key per head count, next_n and page size."""
+    keys = SCORES.get_warmup_keys(
+        heads=WarmupChoices(*HEADS),
+        next_n=WarmupChoices(*NEXT_N),
+        block=WarmupChoices(*BLOCKS),
+    )
+    assert sorted(keys, key=repr) == sorted(ALL_KEYS, key=repr)
+
+
+@pytest.mark.parametrize("key", ALL_KEYS, ids=repr)
+def test_scores_ptx(key):
+    """sm_90a: four m64nNk32 e4m3 wgmmas a tile (N = next_n x heads), the
+    first not accumulating; the head sum's FMAs as DeepGEMM's epilogue
+    (``next_n x 4 x (heads / 8 - 1)``); TMA copies; one PDL wait; no spills,
+    two CTAs an SM by registers."""
+    text = compile_ptx(SCORES, key, "sm_90a")
+    count = ops(text)
+    n = key.next_n * key.heads
+    shape = f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3"
+    assert count[shape] == 4, {k: v for k, v in count.items() if "wgmma" in k}
+    assert count["fma.rn.f32"] == key.next_n * 4 * (key.heads // 8 - 1)
+    assert count["griddepcontrol.wait"] == 1
+    assert count["griddepcontrol.launch_dependents"] == 1
+    assert any(k.startswith("cp.async.bulk.tensor.3d") for k in count)
+    registers, spilled = resources(text, "sm_90a")
+    assert spilled == 0 and registers * THREADS * 2 <= 65536, (registers, spilled)
+
+
+# --- GPU: the definition and DeepGEMM's bytes --------------------------------
+
+
+def _step(rng: random.Random, heads, next_n, block, entries, device):
+    """A random decode step: FP8 queries, weights, a paged FP8 cache with
+    FP32 per-pool scales (some 0, some huge), per-row lengths (MTP rows end
+    one pool apart), a block table wider than needed whose tail holds ids
+    past the cache."""
+    gen = torch.Generator(device=device).manual_seed(rng.getrandbits(31))
+    lengths = []
+    for _ in range(entries):
+        kind = rng.random()
+        if kind < 0.05:
+            lengths.append(0)
+        elif kind < 0.15:
+            lengths.append(rng.randint(1, 70))
+        elif kind < 0.2 and entries <= 16:
+            lengths.append(rng.randint(16384, 65536))
+        else:
+            lengths.append(rng.randint(1, 6000))
+    width = max(max(lengths) + rng.randint(0, 300), 1)
+    pages = [-(-n // block) for n in lengths]
+    table_width = max(pages) + rng.randint(1, 5)
+    blocks = sum(pages) + rng.randint(1, 7)
+    order = torch.randperm(blocks, generator=gen, device=device).to(I32)
+    table = torch.full((entries, table_width), 2**30, dtype=I32, device=device)
+    taken = 0
+    for e, p in enumerate(pages):
+        table[e, :p] = order[taken : taken + p]
+        taken += p
+    values = torch.randn(blocks, block, DIM, generator=gen, device=device)
+    scale = values.abs().amax(-1).clamp(min=1e-4) / 448.0
+    k_fp8 = (values / scale[..., None]).to(FP8)
+    pick = torch.rand(blocks, block, generator=gen, device=device)
+    scale = torch.where(pick < 0.01, torch.zeros_like(scale), scale)
+    scale = torch.where(pick > 0.995, torch.full_like(scale, 1e20), scale)
+    cache = torch.empty(blocks, block * (DIM + 4), dtype=U8, device=device)
+    cache[:, : block * DIM] = k_fp8.view(U8).view(blocks, -1)
+    cache[:, block * DIM :] = scale.view(U8).view(blocks, -1)
+    q = torch.randn(entries, next_n, heads, DIM, generator=gen, device=device)
+    q = (q * 50).clamp(-448, 448).to(FP8)
+    weights = (
+        torch.randn(entries * next_n, heads, generator=gen, device=device) * heads**-0.5
+    )
+    last = torch.tensor(lengths, dtype=I32, device=device)
+    offsets = torch.arange(next_n - 1, -1, -1, dtype=I32, device=device)
+    seq_lens = (last[:, None] - offsets).clamp(min=0).contiguous()
+    seq_lens[:, -1] = last
+    kv = cache.view(blocks, block, 1, DIM + 4)
+    return dict(
+        q=(q, None),
+        kv_cache=kv,
+        weights=weights,
+        seq_lens=seq_lens,
+        block_table=table,
+        max_model_len=width,
+    )
+
+
+def _reference(args):
+    """float64 logits from the definition: for entry b, row i, pool p below
+    ``seq_lens[b, -1]``: sum_h relu(q[b,i,h] . k[p]) * w[b,i,h] * scale[p];
+    with the magnitude sum_h |w| (|q| . |k|) |scale| each term is within."""
+    q, _ = args["q"]
+    kv, table, lens = args["kv_cache"], args["block_table"], args["seq_lens"]
+    entries, next_n, heads, _ = q.shape
+    block = kv.shape[1]
+    flat = kv.view(kv.shape[0], -1)
+    rows = entries * next_n
+    out = torch.zeros(rows, args["max_model_len"], dtype=torch.float64, device=q.device)
+    size = torch.zeros_like(out)
+    w = args["weights"].double().view(entries, next_n, heads)
+    for b in range(entries):
+        n = int(lens[b, -1])
+        if n == 0:
+            continue
+        pages = table[b, : -(-n // block)].long()
+        k = flat[pages, : block * DIM].view(FP8).float().double().reshape(-1, DIM)[:n]
+        s = flat[pages, block * DIM :].contiguous().view(F32).double().reshape(-1)[:n]
+        qb = q[b].float().double().reshape(next_n * heads, DIM)
+        dots = (k @ qb.T).view(n, next_n, heads)
+        mags = (k.abs() @ qb.abs().T).view(n, next_n, heads)
+        value = (dots.clamp(min=0) * w[b]).sum(-1) * s[:, None]
+        magnitude = (mags * w[b].abs()).sum(-1) * s.abs()[:, None]
+        out[b * next_n : (b + 1) * next_n, :n] = value.T
+        size[b * next_n : (b + 1) * next_n, :n] = magnitude.T
+    return out, size
+
+
+def _ordered(x: torch.Tensor) -> torch.Tensor:
+    """FP32 bits as integers in the order of the values (for ulps)."""
+    bits = x.contiguous().view(I32).long()
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _deep_gemm():
+    try:
+        import deep_gemm
+    except Exception as error:  # noqa: BLE001 - any failure means "not here"
+        return None, f"import deep_gemm failed: {error!r}"
+    return deep_gemm, None
+
+
+def _deep_gemm_logits(deep_gemm, args):
+    """DeepGEMM's logits, 16 heads zero-padded to 32 as vLLM pads them."""
+    q, _ = args["q"]
+    weights = args["weights"]
+    if q.shape[2] == 16:
+        q = torch.cat([q, torch.zeros_like(q)], dim=2)
+        weights = torch.cat([weights, torch.zeros_like(weights)], dim=1)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    next_n = q.shape[1]
+    slots = sms // 2 if next_n == 4 else sms
+    meta = deep_gemm.get_paged_mqa_logits_metadata(
+        args["seq_lens"], args["kv_cache"].shape[1], slots
+    )
+    return deep_gemm.fp8_fp4_paged_mqa_logits(
+        (q, None),
+        args["kv_cache"],
+        weights,
+        args["seq_lens"],
+        args["block_table"],
+        meta,
+        args["max_model_len"],
+    )
+
+
+def _steps(seed: int):
+    """The steps the GPU tests draw: every head count, next_n and page size,
+    entries from 1 to 256 (over 1,000 rows for DeepGEMM's next_n)."""
+    rng = random.Random(seed)
+    sizes = [1, 3, 8, 37, 64, 256]
+    for index, key in enumerate(ALL_KEYS):
+        for entries in (sizes[index % len(sizes)], sizes[(index + 3) % len(sizes)]):
+            yield key, entries, rng
+
+
+@pytest.mark.gpu
+def test_scores_against_definition():
+    """Every written column is within 2^-9 of its terms' magnitude of the
+    float64 definition; nothing at or past an entry's context is written."""
+    seed = fuzz_seed()
+    worst, worst_rel, rows = 0.0, 0.0, 0
+    for key, entries, rng in _steps(seed):
+        args = _step(rng, key.heads, key.next_n, key.block, entries, "cuda")
+        width = args["max_model_len"]
+        out = torch.full(
+            (entries * key.next_n, row_stride(width)), float("nan"), device="cuda"
+        )[:, :width]
+        got = SCORES(**args, out=out)
+        torch.cuda.synchronize()
+        ref, size = _reference(args)
+        ends = args["seq_lens"][:, -1].repeat_interleave(key.next_n)
+        cols = torch.arange(width, device="cuda")
+        inside = cols[None, :] < ends[:, None]
+        assert torch.isnan(got[~inside]).all(), (key, entries, "written past ctx")
+        error = (got.double() - ref).abs()[inside]
+        bound = size[inside] * 2.0**-9 + 1e-30
+        assert (error <= bound).all(), (key, entries, seed)
+        if error.numel():
+            worst = max(worst, float((error / (size[inside] + 1e-30)).max()))
+            big = ref[inside].abs() > 1e-3 * size[inside]
+            if big.any():
+                rel = error[big] / ref[inside].abs()[big]
+                worst_rel = max(worst_rel, float(rel.max()))
+        rows += entries * key.next_n
+    FUZZ_REPORT.append(
+        f"scores vs float64 definition: {rows} rows, seed {seed}, max error "
+        f"{worst:.3g} of the magnitude, max relative {worst_rel:.3g}"
+    )
+
+
+@pytest.mark.gpu
+def test_scores_equal_deepgemm():
+    """DeepGEMM's bytes below each entry's context (every row of it), over
+    steps of >= 1,000 rows; reports the max ulps and the share of rows whose
+    top-512 set differs."""
+    deep_gemm, why = _deep_gemm()
+    if deep_gemm is None:
+        pytest.skip(why)
+    seed = fuzz_seed()
+    rows = differ_rows = topk_rows = topk_differ = 0
+    max_ulps, refused = 0, set()
+    for key, entries, rng in _steps(seed):
+        args = _step(rng, key.heads, key.next_n, key.block, entries, "cuda")
+        try:
+            theirs = _deep_gemm_logits(deep_gemm, args)
+        except RuntimeError as error:  # DeepGEMM's SM90 next_n and heads
+            refused.add((key.heads, key.next_n, str(error).splitlines()[0][:80]))
+            continue
+        ours = SCORES(**args)
+        torch.cuda.synchronize()
+        assert ours.stride() == theirs.stride(), (ours.stride(), theirs.stride())
+        ends = args["seq_lens"][:, -1].repeat_interleave(key.next_n)
+        lens = args["seq_lens"].reshape(-1)
+        for r in range(ours.shape[0]):
+            n = int(ends[r])
+            a, b = ours[r, :n], theirs[r, :n]
+            same = a.view(I32) == b.view(I32)
+            if not bool(same.all()):
+                differ_rows += 1
+                ulps = (_ordered(a) - _ordered(b)).abs().max()
+                max_ulps = max(max_ulps, int(ulps))
+            m = int(lens[r])
+            if m > TOPK:
+                topk_rows += 1
+                mine = set(a[:m].topk(TOPK).indices.tolist())
+                stock = set(b[:m].topk(TOPK).indices.tolist())
+                topk_differ += mine != stock
+        rows += ours.shape[0]
+    FUZZ_REPORT.append(
+        f"scores vs DeepGEMM: {rows} rows, seed {seed}, {differ_rows} rows with "
+        f"a differing byte (max {max_ulps} ulps), top-{TOPK} set differs in "
+        f"{topk_differ} of {topk_rows} rows; DeepGEMM refused {sorted(refused)}"
+    )
+    assert rows >= 1000, (rows, sorted(refused))
+    assert differ_rows == 0, (differ_rows, max_ulps, seed)

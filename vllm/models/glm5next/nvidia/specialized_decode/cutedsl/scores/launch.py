@@ -1,0 +1,214 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The host side of ``KpoolScores``: what it takes of DeepGEMM's
+``fp8_fp4_paged_mqa_logits`` arguments, how many CTAs an entry takes, its
+compile key, its launch."""
+
+import functools
+from dataclasses import dataclass
+
+import cutlass.cute as cute
+import torch
+from cutlass import Float8E4M3FN, Float32, Int32, Uint8
+from cutlass.cute.runtime import make_fake_tensor
+
+from vllm.model_executor.warmup.jit_warmup import kernel_launcher
+
+from ..common.host import KpoolKernel, check_devices, layout, mismatch
+from .kernel import DIM, TILE, KpoolScores
+
+HEADS = (16, 32, 64)
+NEXT_N = (1, 2, 3, 4)
+BLOCKS = (32, 64)
+# DeepGEMM's logits row stride: the width rounded up to 256 columns.
+ROW_ALIGN = 256
+# CTAs a step aims at, per SM: an entry's tiles are split over
+# ceil(CTAS_PER_SM * sms / entries) CTAs, so that one entry keeps every SM
+# reading.
+CTAS_PER_SM = 2
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """The SMs of CUDA device ``index``, read once."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def splits_for(entries: int, width: int, sms: int) -> int:
+    """The CTAs an entry's tiles are split over."""
+    tiles = -(-width // TILE)
+    return max(1, min(tiles, -(-CTAS_PER_SM * sms // max(entries, 1))))
+
+
+def row_stride(width: int) -> int:
+    return -(-width // ROW_ALIGN) * ROW_ALIGN
+
+
+def check(q, kv_cache, weights, seq_lens, block_table, max_model_len, out) -> None:
+    """What ``KpoolScores`` takes (raises ``Refused``)."""
+    if not isinstance(q, tuple) or len(q) != 2:
+        raise mismatch("q", "a (values, scales) tuple", type(q).__name__)
+    values, scales = q
+    if scales is not None:
+        raise mismatch("q", "no query scales (SM90 folds them into weights)", scales)
+    check_devices(
+        ("q", "kv_cache", "weights", "seq_lens", "block_table", "out"),
+        values, kv_cache, weights, seq_lens, block_table, out,
+        optional=("out",),
+    )  # fmt: skip
+    if (
+        values.dtype != torch.float8_e4m3fn
+        or values.dim() != 4
+        or values.shape[1] not in NEXT_N
+        or values.shape[2] not in HEADS
+        or values.shape[3] != DIM
+        or not values.is_contiguous()
+        or values.data_ptr() % 16
+    ):
+        raise mismatch(
+            "q",
+            f"contiguous fp8 e4m3 [entries, next_n in {NEXT_N}, heads in {HEADS}, "
+            f"{DIM}], 16-byte aligned",
+            layout(values),
+        )
+    entries, next_n, heads, _ = values.shape
+    if (
+        kv_cache.dtype != torch.uint8
+        or kv_cache.dim() != 4
+        or kv_cache.shape[1] not in BLOCKS
+        or kv_cache.shape[2] != 1
+        or kv_cache.shape[3] != DIM + 4
+        or kv_cache.stride()[1:] != (DIM + 4, DIM + 4, 1)
+        or kv_cache.stride(0) % 16
+        or kv_cache.stride(0) < kv_cache.shape[1] * (DIM + 4)
+        or kv_cache.data_ptr() % 16
+    ):
+        raise mismatch(
+            "kv_cache",
+            f"uint8 [blocks, block in {BLOCKS}, 1, {DIM + 4}], dense pages "
+            "(FP8 rows then FP32 scales) of a 16-byte multiple, 16-byte aligned",
+            layout(kv_cache),
+        )
+    if (
+        weights.dtype != torch.float32
+        or tuple(weights.shape) != (entries * next_n, heads)
+        or weights.stride(1) != 1
+    ):
+        raise mismatch(
+            "weights",
+            f"fp32 [{entries * next_n}, {heads}], unit column stride",
+            layout(weights),
+        )
+    if (
+        seq_lens.dtype != torch.int32
+        or tuple(seq_lens.shape) != (entries, next_n)
+        or not seq_lens.is_contiguous()
+    ):
+        raise mismatch(
+            "seq_lens", f"contiguous int32 [{entries}, {next_n}]", layout(seq_lens)
+        )
+    if (
+        block_table.dtype != torch.int32
+        or block_table.dim() != 2
+        or block_table.shape[0] != entries
+        or block_table.stride(1) != 1
+    ):
+        raise mismatch(
+            "block_table",
+            f"int32 [{entries}, max_blocks], unit column stride",
+            layout(block_table),
+        )
+    if not isinstance(max_model_len, int) or not 1 <= max_model_len < 2**31 - TILE:
+        raise mismatch("max_model_len", "a positive int32", max_model_len)
+    if out is not None and (
+        out.dtype != torch.float32
+        or tuple(out.shape) != (entries * next_n, max_model_len)
+        or out.stride(1) != 1
+        or out.stride(0) < max_model_len
+    ):
+        raise mismatch(
+            "out",
+            f"fp32 [{entries * next_n}, {max_model_len}], unit column stride",
+            layout(out),
+        )
+
+
+class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
+    """``fp8_fp4_paged_mqa_logits(q, kv_cache, weights, seq_lens,
+    block_table, schedule_metadata, max_model_len)`` of GLM-5-Next's decode
+    on SM90 (FP8 query with its scale in ``weights``, FP32 cache scales),
+    without the schedule metadata: FP32 logits ``[entries * next_n,
+    max_model_len]`` on DeepGEMM's row stride (the width rounded up to 256),
+    each entry's rows written below ``seq_lens[entry, -1]`` (the columns past
+    it are not). Into ``out`` if given. One compile key per head count,
+    ``next_n`` and cache page size."""
+
+    @dataclass(frozen=True)
+    class CompileKey:
+        heads: int
+        next_n: int
+        block: int
+
+    kernel = KpoolScores
+
+    def spec(
+        self,
+        *,
+        q: tuple,
+        kv_cache: torch.Tensor,
+        weights: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        max_model_len: int,
+        out: torch.Tensor | None = None,
+    ):
+        check(q, kv_cache, weights, seq_lens, block_table, max_model_len, out)
+        values = q[0]
+        entries, next_n, heads, _ = values.shape
+        if out is None:
+            out = values.new_empty(
+                (entries * next_n, row_stride(max_model_len)), dtype=torch.float32
+            )[:, :max_model_len]
+        key = self.dispatch(heads=heads, next_n=next_n, block=kv_cache.shape[1])
+        splits = splits_for(entries, max_model_len, sm_count(values.get_device()))
+        args = (
+            (values, kv_cache, weights, seq_lens, block_table, out, Int32(splits))
+            if entries
+            else None
+        )
+        return key, args, out
+
+    __call__ = kernel_launcher(spec)
+
+    def warmup_inputs(self, compile_key: CompileKey) -> tuple:
+        heads, next_n, block = compile_key.heads, compile_key.next_n, compile_key.block
+        entries = cute.sym_int()
+        q = make_fake_tensor(
+            Float8E4M3FN,
+            (entries, next_n, heads, DIM),
+            (next_n * heads * DIM, heads * DIM, DIM, 1),
+            assumed_align=16,
+        )
+        kv = make_fake_tensor(
+            Uint8,
+            (cute.sym_int(), block, 1, DIM + 4),
+            (cute.sym_int64(divisibility=16), DIM + 4, DIM + 4, 1),
+            assumed_align=16,
+        )
+        weights = make_fake_tensor(
+            Float32, (cute.sym_int(), heads), (cute.sym_int64(), 1), assumed_align=4
+        )
+        seq_lens = make_fake_tensor(
+            Int32, (entries, next_n), (next_n, 1), assumed_align=4
+        )
+        block_table = make_fake_tensor(
+            Int32, (entries, cute.sym_int()), (cute.sym_int64(), 1), assumed_align=4
+        )
+        logits = make_fake_tensor(
+            Float32, (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), 1),
+            assumed_align=4,
+        )  # fmt: skip
+        return q, kv, weights, seq_lens, block_table, logits, Int32(1)
+
+
+SCORES = ScoresKernel()
