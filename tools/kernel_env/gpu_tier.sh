@@ -84,8 +84,9 @@ setup() {  # the CuTe DSL on PYTHONPATH, the shim on, KPOOL_STOCK: this run's st
       tar xJf .device/deep_gemm.tar.xz -C /tmp/kpool-deep-gemm ||
       die "could not unpack .device/deep_gemm.tar.xz"
   fi
-  if [ -d /tmp/kpool-deep-gemm/deep_gemm ]; then  # its JIT needs nvcc
+  if [ -d /tmp/kpool-deep-gemm/deep_gemm ]; then  # importable; its JIT needs nvcc
     export KPOOL_DEEP_GEMM=/tmp/kpool-deep-gemm CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+    export PYTHONPATH="$PYTHONPATH:$KPOOL_DEEP_GEMM"
   fi
   export KPOOL_KERNEL_ONLY=1 KPOOL_STOCK=${KPOOL_STOCK:-$stock}
   logs=${OUT:-$(mktemp -d /tmp/kpool-gpu-tier.XXXXXX)}
