@@ -382,7 +382,7 @@ def test_scores_equal_deepgemm():
         pytest.skip(why)
     seed = fuzz_seed()
     rows = differ_rows = topk_rows = topk_differ = beyond = 0
-    max_ulps, refused, first = 0, set(), []
+    max_ulps, refused, first, by_key = 0, set(), [], {}
     for key, entries, rng in _steps(seed):
         args = _step(rng, key.heads, key.next_n, key.block, entries, "cuda")
         try:
@@ -399,8 +399,11 @@ def test_scores_equal_deepgemm():
             m, n = int(lens[r]), int(ends[r])
             a, b = ours[r, :m], theirs[r, :m]
             same = a.view(I32) == b.view(I32)
+            tally = by_key.setdefault((key.heads, key.next_n, key.block), [0, 0])
+            tally[0] += 1
             if not bool(same.all()):
                 differ_rows += 1
+                tally[1] += 1
                 ulps = (_ordered(a) - _ordered(b)).abs().max()
                 max_ulps = max(max_ulps, int(ulps))
                 if len(first) < 4:
@@ -422,7 +425,7 @@ def test_scores_equal_deepgemm():
         f"a differing byte below their length (max {max_ulps} ulps), top-{TOPK} "
         f"set differs in {topk_differ} of {topk_rows} rows; {beyond} rows differ "
         f"only past their own length; DeepGEMM refused {sorted(refused)}; "
-        f"first: {first}"
+        f"first: {first}; (heads, next_n, block): [rows, differing] {by_key}"
     )
     assert rows >= 1000, (rows, sorted(refused))
     assert differ_rows == 0, (differ_rows, max_ulps, seed, first)
