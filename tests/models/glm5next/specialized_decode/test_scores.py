@@ -201,7 +201,7 @@ def test_scores_ptx(key):
 # --- GPU: the definition and DeepGEMM's bytes --------------------------------
 
 
-def _step(rng: random.Random, heads, next_n, block, entries, device):
+def _step(rng: random.Random, heads, next_n, block, entries, device, past=2**30):
     """A random decode step: FP8 queries, weights, a paged FP8 cache with
     FP32 per-pool scales (some 0, some huge), per-row lengths (MTP rows end
     one pool apart), a block table wider than needed whose tail holds ids
@@ -223,7 +223,7 @@ def _step(rng: random.Random, heads, next_n, block, entries, device):
     table_width = max(pages) + rng.randint(1, 5)
     blocks = sum(pages) + rng.randint(1, 7)
     order = torch.randperm(blocks, generator=gen, device=device).to(I32)
-    table = torch.full((entries, table_width), 2**30, dtype=I32, device=device)
+    table = torch.full((entries, table_width), past, dtype=I32, device=device)
     taken = 0
     for e, p in enumerate(pages):
         table[e, :p] = order[taken : taken + p]
@@ -384,7 +384,8 @@ def test_scores_equal_deepgemm():
     rows = differ_rows = topk_rows = topk_differ = beyond = 0
     max_ulps, refused, first, by_key = 0, set(), [], {}
     for key, entries, rng in _steps(seed):
-        args = _step(rng, key.heads, key.next_n, key.block, entries, "cuda")
+        # vLLM's block tables hold page 0 past a request's pages.
+        args = _step(rng, key.heads, key.next_n, key.block, entries, "cuda", past=0)
         try:
             theirs = _deep_gemm_logits(deep_gemm, args)
         except RuntimeError as error:  # DeepGEMM's SM90 next_n and heads
