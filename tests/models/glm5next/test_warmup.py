@@ -6,8 +6,13 @@ kernels compiled and (unless "off") passed the self-check, and otherwise
 leaves it off and says so ("strict": raises) (CPU; the self-check itself is
 ``specialized_decode``'s to test)."""
 
+import json
 import logging
 import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -104,18 +109,21 @@ def test_warmup_self_check(monkeypatch, model, vllm_log, mode, problem, on, leve
         )
 
 
-def test_self_check_seed(monkeypatch, model, vllm_log):
-    """Without a seed to replay, a fresh 31-bit one, printed on failure."""
-    seeds, bits = [], []
+def test_self_check_seed_is_a_constant(monkeypatch, model, vllm_log):
+    """Without a seed to replay, the self-check's seed is ``SEED``, the same
+    in every process, printed on failure."""
+    seeds = []
     monkeypatch.setattr(
         self_check, "check", lambda keys, seed, device: seeds.append(seed) or "bad"
     )
-    monkeypatch.setattr(warmup.secrets, "randbits", lambda n: bits.append(n) or 12345)
-    entry = StageWarmup(model.stage, model.engine.attentions)
-    entry.compile_many(entry.get_warmup_keys())
-    assert bits == [31] and seeds == [12345] and not model.stage.executors
-    [record] = warmup_lines(vllm_log)
-    assert record.getMessage().endswith(f"(replay with {SELF_CHECK_SEED_ENV}=12345).")
+    for _ in range(2):
+        entry = StageWarmup(model.stage, model.engine.attentions)
+        entry.compile_many(entry.get_warmup_keys())
+    assert seeds == [warmup.SEED, warmup.SEED] and not model.stage.executors
+    record = warmup_lines(vllm_log)[-1]
+    assert record.getMessage().endswith(
+        f"(replay with {SELF_CHECK_SEED_ENV}={warmup.SEED})."
+    )
 
 
 def failing(monkeypatch):
@@ -206,3 +214,97 @@ def test_no_select_keys_unless_opted_in_and_fused(select, fuse):
     stage = SimpleNamespace(mx_scales=True, select=select, fuse=fuse, max_rows=8)
     kernels = [k for k, _ in warmup.deployment_values(stage, [_layer(65536)])]
     assert SELECT not in kernels and KERNELS["upcast"] in kernels
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """``warmup_ranks.py`` in 3 processes, one TP group over gloo on the CPU
+    (each rank's JSON line, by rank; at most 5 minutes, so that a rank that
+    waits for one that left fails the test rather than hangs it)."""
+    port, script = free_port(), Path(__file__).with_name("warmup_ranks.py")
+    runs = [
+        subprocess.Popen(
+            [sys.executable, script, str(rank), "3", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(3)
+    ]
+    found = {}
+    for rank, run in enumerate(runs):
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-3000:]
+        found[rank] = json.loads(out.strip().splitlines()[-1])["results"]
+    return found
+
+
+def scenario(ranks, index: int) -> list[dict]:
+    return [ranks[rank][index] for rank in range(3)]
+
+
+OFF = "dsa_kpool stays off on every TP rank (failed: rank {} of 3)"
+
+
+def test_tp_ranks_that_all_pass_run_the_stage(ranks):
+    """Every rank passes its self-check: the stage on every rank, one info
+    line each saying so."""
+    for result in scenario(ranks, 0):
+        assert result["on"] and result["raised"] is None
+        [(level, line)] = result["lines"]
+        assert level == "INFO" and line.endswith(
+            "; dsa_kpool on (all 3 TP ranks passed)."
+        )
+
+
+def test_one_failing_tp_rank_turns_the_stage_off_on_every_rank(ranks):
+    """Rank 1's self-check fails: every rank runs stock, each with one error
+    line naming rank 1 (rank 1's own: its failure and seed)."""
+    results = scenario(ranks, 1)
+    assert [r["on"] for r in results] == [False, False, False]
+    lines = [r["lines"] for r in results]
+    passed = (
+        "GLM-5-Next specialized decode: this rank's warmup passed; "
+        f"{OFF.format(1)} and the decode runs stock."
+    )
+    assert lines[0] == lines[2] == [["ERROR", passed]]
+    failed = (
+        "GLM-5-Next specialized decode: self-check failed, UpcastKernel case "
+        f"3 (seed {warmup.SEED + 3}) differs from stock: key; {OFF.format(1)} "
+        f"and the decode runs stock (replay with {SELF_CHECK_SEED_ENV}="
+        f"{warmup.SEED})."
+    )
+    assert lines[1] == [["ERROR", failed]]
+
+
+def test_a_tp_rank_whose_compile_fails_turns_the_stage_off_everywhere(ranks):
+    """Rank 0's compile raises: every rank runs stock; rank 0 says why."""
+    results = scenario(ranks, 2)
+    assert [r["on"] for r in results] == [False, False, False]
+    failed = (
+        "GLM-5-Next specialized decode: warmup failed (no ptxas); "
+        f"{OFF.format(0)} and the decode runs stock."
+    )
+    assert results[0]["lines"] == [["ERROR", failed]]
+    assert all(OFF.format(0) in r["lines"][0][1] for r in results)
+
+
+def test_strict_raises_on_every_tp_rank(ranks):
+    """ "strict", rank 2's self-check fails: every rank raises (none waits
+    for rank 2 in a later collective), the stage off everywhere."""
+    results = scenario(ranks, 3)
+    assert [r["on"] for r in results] == [False, False, False]
+    raised = [r["raised"] for r in results]
+    assert all(e.startswith("RuntimeError: ") and OFF.format(2) in e for e in raised)
+    assert "self-check failed, UpcastKernel case 3" in raised[2]
+
+
+def test_off_runs_the_stage_without_a_self_check_on_every_tp_rank(ranks):
+    """ "off": no self-check (rank 1's would fail), the stage on everywhere."""
+    assert [r["on"] for r in scenario(ranks, 4)] == [True, True, True]
