@@ -154,16 +154,19 @@ def self_check_failed(vllm_log, **_) -> list[str]:
     deployment (512 pools, 2176 columns, 64-token blocks) whose executor
     writes nothing, seed 7. The rules take CPU tensors here
     (``rule_edges.allow_cpu``: no GPU), the drawn cases and stock's bytes
-    are ``cases.py``'s, the message ``StageWarmup.check``'s."""
+    are ``cases.py``'s, the message ``StageWarmup.compile_many``'s (one
+    process: no TP group)."""
     helpers = str(HERE / "specialized_decode")
     if helpers not in sys.path:
         sys.path.insert(0, helpers)
     from rule_edges import KEYS, allow_cpu
 
     key = REMAP.dispatch(**KEYS[REMAP])
-    stage = SimpleNamespace(pool_buffer=torch.empty(0))
+    stage = SimpleNamespace(pool_buffer=torch.empty(0), executors={})
+    writes_nothing = SimpleNamespace(executor=lambda key: lambda *args: None)
     with allow_cpu():
-        assert not StageWarmup(stage, [], "on", seed=7).check({key: lambda *a: None})
+        StageWarmup(stage, [], "on", seed=7).compile_many([(writes_nothing, key)])
+    assert not stage.executors
     return logged(vllm_log, warmup)
 
 

@@ -116,14 +116,32 @@ def test_unplanned_passes(steps, attn, dummy):
 
 
 def test_planned_once_per_forward(steps):
-    """Every layer of a forward gets the first answer (host state read once);
-    the next forward's context is read anew."""
+    """Every layer of a forward gets the first answer (host state read once,
+    though the metadata changed since); another live context is read
+    anew."""
     attn = {"a": metadata()}
     ctx = context(attn)
     assert steps.covers(ctx)
     attn["a"] = metadata(prefills=1)
     assert steps.covers(ctx)
     assert not steps.covers(context(attn))
+
+
+def test_a_freed_context_is_not_taken_for_the_next(steps):
+    """50 forwards alternating a planned decode step and a mixed one, each
+    context freed before the next is made (which CPython then allocates
+    where the freed one was: asserted for most): each gets its own
+    answer."""
+    answers, reused, ctx = [], 0, None
+    for step in range(50):
+        planned = step % 2 == 0
+        attn = {"a": metadata(prefills=0 if planned else 1)}
+        freed, ctx = id(ctx), None
+        ctx = context(attn)
+        reused += id(ctx) == freed
+        answers.append(steps.covers(ctx) == planned)
+    assert reused > 25
+    assert answers == [True] * 50
 
 
 def test_stage_plans_only_once_warm():

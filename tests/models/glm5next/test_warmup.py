@@ -6,8 +6,13 @@ kernels compiled and (unless "off") passed the self-check, and otherwise
 leaves it off and says so ("strict": raises) (CPU; the self-check itself is
 ``specialized_decode``'s to test)."""
 
+import json
 import logging
 import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -104,9 +109,9 @@ def test_warmup_self_check(monkeypatch, model, vllm_log, mode, problem, on, leve
         )
 
 
-def test_self_check_seed(monkeypatch, model, vllm_log):
-    """Without a seed to replay, the fixed default (every rank and run checks
-    the same cases), a 31-bit one, printed on failure."""
+def test_self_check_seed_is_a_constant(monkeypatch, model, vllm_log):
+    """Without a seed to replay, the self-check's seed is ``SEED``, the same
+    in every process, printed on failure."""
     seeds = []
     monkeypatch.setattr(
         self_check, "check", lambda keys, seed, device: seeds.append(seed) or "bad"
@@ -114,11 +119,10 @@ def test_self_check_seed(monkeypatch, model, vllm_log):
     for _ in range(2):
         entry = StageWarmup(model.stage, model.engine.attentions)
         entry.compile_many(entry.get_warmup_keys())
-    assert seeds == [warmup.SELF_CHECK_SEED] * 2 and not model.stage.executors
-    assert 0 <= warmup.SELF_CHECK_SEED < 2**31
+    assert seeds == [warmup.SEED, warmup.SEED] and not model.stage.executors
     record = warmup_lines(vllm_log)[-1]
     assert record.getMessage().endswith(
-        f"(replay with {SELF_CHECK_SEED_ENV}={warmup.SELF_CHECK_SEED})."
+        f"(replay with {SELF_CHECK_SEED_ENV}={warmup.SEED})."
     )
 
 
@@ -216,74 +220,95 @@ def test_no_select_keys_unless_opted_in_and_fused(select, fuse):
     assert SELECT not in kernels and KERNELS["upcast"] in kernels
 
 
-# (mode, the rank whose self-check fails or None) of each warmup the ranks run.
-SCENARIOS = (("on", None), ("on", 1), ("strict", None), ("strict", 1))
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
-def _rank_warmup(rank: int, ranks: int, init: str, out):
-    """One tensor-parallel rank (a process, vLLM's groups over gloo): a
-    warmup of one key for each of ``SCENARIOS``, its self-check failing on
-    the scenario's rank; puts (scenario, rank, whether the stage got
-    executors, the error lines or the raised message) on ``out``."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
-
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
-        parallel_state.init_distributed_environment(ranks, rank, init, rank, "gloo")
-        parallel_state.initialize_model_parallel(ranks, backend="gloo")
-    lines: list[str] = []
-    handler = logging.Handler(logging.ERROR)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger(warmup.__name__).addHandler(handler)
-    kernel = SimpleNamespace(executor=lambda key: object())
-    for scenario, (mode, failing) in enumerate(SCENARIOS):
-        lines.clear()
-        self_check.check = lambda executors, seed, device, failing=failing: (
-            "UpdateKernel case 5 (seed 9): differs" if rank == failing else None
+@pytest.fixture(scope="module")
+def ranks():
+    """``warmup_ranks.py`` in 3 processes, one TP group over gloo on the CPU
+    (each rank's JSON line, by rank; at most 5 minutes, so that a rank that
+    waits for one that left fails the test rather than hangs it)."""
+    port, script = free_port(), Path(__file__).with_name("warmup_ranks.py")
+    runs = [
+        subprocess.Popen(
+            [sys.executable, script, str(rank), "3", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        stage = SimpleNamespace(executors={}, pool_buffer=torch.empty(0))
-        try:
-            StageWarmup(stage, [], mode).compile_many(
-                [StageWarmup.CompileKey(kernel, "key")]
-            )
-        except RuntimeError as error:
-            lines.append(f"raised: {error}")
-        out.put((scenario, rank, bool(stage.executors), list(lines)))
-    parallel_state.destroy_model_parallel()
-    parallel_state.destroy_distributed_environment()
-
-
-def test_ranks_fall_back_together(tmp_path):
-    """Three tensor-parallel ranks in three processes (vLLM's groups over
-    gloo on the CPU): where rank 1's self-check fails, no rank runs the
-    stage and every rank logs (or, "strict", raises) one line naming rank
-    1; where all pass, all run it."""
-    import multiprocessing
-
-    ranks, context = 3, multiprocessing.get_context("spawn")
-    out = context.Queue()
-    args = (ranks, f"file://{tmp_path}/init", out)
-    procs = [
-        context.Process(target=_rank_warmup, args=(r, *args)) for r in range(ranks)
+        for rank in range(3)
     ]
-    for proc in procs:
-        proc.start()
-    got = sorted(out.get(timeout=300) for _ in range(ranks * len(SCENARIOS)))
-    for proc in procs:
-        proc.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0] * ranks
-    named = (
-        "the warmup failed on tensor-parallel rank(s) [1] of 3; dsa_kpool stays "
-        "off on every rank and the decode runs stock."
+    found = {}
+    for rank, run in enumerate(runs):
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-3000:]
+        found[rank] = json.loads(out.strip().splitlines()[-1])["results"]
+    return found
+
+
+def scenario(ranks, index: int) -> list[dict]:
+    return [ranks[rank][index] for rank in range(3)]
+
+
+OFF = "dsa_kpool stays off on every TP rank (failed: rank {} of 3)"
+
+
+def test_tp_ranks_that_all_pass_run_the_stage(ranks):
+    """Every rank passes its self-check: the stage on every rank, one info
+    line each saying so."""
+    for result in scenario(ranks, 0):
+        assert result["on"] and result["raised"] is None
+        [(level, line)] = result["lines"]
+        assert level == "INFO" and line.endswith(
+            "; dsa_kpool on (all 3 TP ranks passed)."
+        )
+
+
+def test_one_failing_tp_rank_turns_the_stage_off_on_every_rank(ranks):
+    """Rank 1's self-check fails: every rank runs stock, each with one error
+    line naming rank 1 (rank 1's own: its failure and seed)."""
+    results = scenario(ranks, 1)
+    assert [r["on"] for r in results] == [False, False, False]
+    lines = [r["lines"] for r in results]
+    passed = (
+        "GLM-5-Next specialized decode: this rank's warmup passed; "
+        f"{OFF.format(1)} and the decode runs stock."
     )
-    for scenario, rank, on, lines in got:
-        mode, failing = SCENARIOS[scenario]
-        if failing is None:
-            assert on and lines == [], (mode, rank, lines)
-        elif mode == "strict":
-            [line] = lines
-            assert not on and line.startswith("raised: "), (rank, line)
-            assert ("UpdateKernel case 5" if rank == 1 else named) in line, line
-        else:
-            assert not on and lines[-1].endswith(named), (rank, lines)
-            assert len(lines) == (2 if rank == 1 else 1), (rank, lines)
+    assert lines[0] == lines[2] == [["ERROR", passed]]
+    failed = (
+        "GLM-5-Next specialized decode: self-check failed, UpcastKernel case "
+        f"3 (seed {warmup.SEED + 3}) differs from stock: key; {OFF.format(1)} "
+        f"and the decode runs stock (replay with {SELF_CHECK_SEED_ENV}="
+        f"{warmup.SEED})."
+    )
+    assert lines[1] == [["ERROR", failed]]
+
+
+def test_a_tp_rank_whose_compile_fails_turns_the_stage_off_everywhere(ranks):
+    """Rank 0's compile raises: every rank runs stock; rank 0 says why."""
+    results = scenario(ranks, 2)
+    assert [r["on"] for r in results] == [False, False, False]
+    failed = (
+        "GLM-5-Next specialized decode: warmup failed (no ptxas); "
+        f"{OFF.format(0)} and the decode runs stock."
+    )
+    assert results[0]["lines"] == [["ERROR", failed]]
+    assert all(OFF.format(0) in r["lines"][0][1] for r in results)
+
+
+def test_strict_raises_on_every_tp_rank(ranks):
+    """ "strict", rank 2's self-check fails: every rank raises (none waits
+    for rank 2 in a later collective), the stage off everywhere."""
+    results = scenario(ranks, 3)
+    assert [r["on"] for r in results] == [False, False, False]
+    raised = [r["raised"] for r in results]
+    assert all(e.startswith("RuntimeError: ") and OFF.format(2) in e for e in raised)
+    assert "self-check failed, UpcastKernel case 3" in raised[2]
+
+
+def test_off_runs_the_stage_without_a_self_check_on_every_tp_rank(ranks):
+    """ "off": no self-check (rank 1's would fail), the stage on everywhere."""
+    assert [r["on"] for r in scenario(ranks, 4)] == [True, True, True]

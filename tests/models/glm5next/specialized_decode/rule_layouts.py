@@ -422,6 +422,21 @@ def select_layouts(a: dict) -> list:
         ),
         ("logits rows padded", dict(logits=like(logits, stride=(width + 4, 1))), None),
         ("logits misaligned", dict(logits=like(logits, offset=2)), "logits"),
+        (
+            "logits bf16 row stride + 4 (8 bytes)",
+            dict(logits=like(logits, dtype=BF16, stride=(width + 4, 1))),
+            "logits",
+        ),
+        (
+            "logits bf16 rows padded (16 bytes)",
+            dict(logits=like(logits, dtype=BF16, stride=(width + 8, 1))),
+            None,
+        ),
+        (
+            "logits bf16 8 bytes in",
+            dict(logits=like(logits, dtype=BF16, offset=4)),
+            "logits",
+        ),
         ("ends int64", dict(ends=like(ends, dtype=torch.int64)), "ends"),
         ("ends 2-d", dict(ends=like(ends, shape=(rows, 1), stride=(1, 1))), "ends"),
         ("ends strided", dict(ends=like(ends, stride=(2,))), "ends"),

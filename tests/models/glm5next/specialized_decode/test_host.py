@@ -363,11 +363,33 @@ def fake_differs(fake, real) -> str | None:
     return None
 
 
+def fakes_differ(kernel, arguments: dict) -> list[str]:
+    """How the fakes of the key ``spec`` derives for ``arguments`` do not
+    describe the arguments it derives (nothing where it launches
+    nothing)."""
+    with allow_cpu():
+        key, args, _ = kernel.spec(**arguments)
+    if args is None:  # no rows: nothing to launch
+        return []
+    fakes = kernel.warmup_inputs(key)
+    if len(fakes) != len(args):
+        return [f"{len(fakes)} fakes for {len(args)} arguments"]
+    problems = []
+    for i, (fake, real) in enumerate(zip(fakes, args, strict=True)):
+        if fake is None and real is None:
+            continue
+        problem = "no fake" if fake is None else fake_differs(fake, real)
+        if problem:
+            problems.append(f"argument {i}: {problem}")
+    return problems
+
+
 @pytest.mark.parametrize("kernel", KERNELS, ids=IDS)
-def test_warmup_fakes_describe_the_arguments(kernel):
+def test_warmup_fakes_describe_drawn_arguments(kernel):
     """The fakes a key compiles on (``warmup_inputs``) describe the arguments
-    ``spec`` derives for that key from drawn cases: an executor compiled at
-    warmup takes what the rule takes. (On the GPU TVM-FFI refuses arguments
+    ``spec`` derives for that key from four drawn cases (freshly allocated
+    buffers: their base pointers aligned; the least-aligned arguments the
+    rules take are the next test's). (On the GPU TVM-FFI refuses arguments
     that do not fit; the CPU cannot launch, so this is where it shows.)"""
     draw = cases.CASES[kernel]
     problems = []
@@ -382,20 +404,71 @@ def test_warmup_fakes_describe_the_arguments(kernel):
             case = draw(rng, gen, key, sms=8)
         else:
             case = draw(rng, gen)
-        with allow_cpu():
-            key, args, _ = kernel.spec(**case.arguments)
-        if args is None:  # no rows: nothing to launch
+        found = fakes_differ(kernel, case.arguments)
+        problems += [f"seed {seed} ({case.about}): {p}" for p in found]
+    assert problems == []
+
+
+def loosened(arguments: dict) -> list[tuple[str, dict]]:
+    """``arguments`` with one tensor less aligned: its base pointer 1 to 16
+    bytes further (in whole elements), or one of its non-unit strides 1 to
+    16 bytes longer (with every tensor of the same shape and strides: the
+    upcast's ``out`` follows its logits)."""
+    found = []
+    for name, value in arguments.items():
+        if not isinstance(value, torch.Tensor) or not value.numel():
             continue
-        fakes = kernel.warmup_inputs(key)
-        if len(fakes) != len(args):
-            problems.append(f"seed {seed}: {len(fakes)} fakes for {len(args)}")
-            continue
-        for i, (fake, real) in enumerate(zip(fakes, args, strict=True)):
-            if fake is None and real is None:
+        steps = range(1, 16 // value.element_size() + 1)
+        for offset in steps:
+            changed = arguments | {name: like(value, offset=offset)}
+            found.append((f"{name} {offset * value.element_size()} bytes in", changed))
+        for dim, stride in enumerate(value.stride()):
+            if stride == 1:
                 continue
-            problem = None if fake is None else fake_differs(fake, real)
-            if fake is None or problem:
-                problems.append(f"seed {seed} ({case.about}), argument {i}: {problem}")
+            for more in steps:
+                strides = list(value.stride())
+                strides[dim] += more
+                layout = (value.shape, value.stride())
+                changed = dict(arguments)
+                for other, tensor in arguments.items():
+                    if (
+                        isinstance(tensor, torch.Tensor)
+                        and (tensor.shape, tensor.stride()) == layout
+                    ):
+                        changed[other] = like(tensor, stride=strides)
+                label = f"{name} stride {dim} + {more * value.element_size()} bytes"
+                found.append((label, changed))
+    return found
+
+
+def base_cases(kernel) -> list[tuple[str, dict]]:
+    """(dtype, arguments) of the kernel's base case (``rule_edges``), and
+    for the select also of BF16 logits (the base case's are FP32)."""
+    found = [("", valid(kernel))]
+    if kernel is SELECT:
+        key = SELECT.dispatch(**KEYS[SELECT] | dict(dtype=torch.bfloat16))
+        gen = torch.Generator().manual_seed(17)
+        case = cases.select_case(random.Random(17), gen, key, sms=132)
+        found.append(("bf16 ", case.arguments))
+    return found
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=IDS)
+def test_warmup_fakes_describe_the_least_aligned_arguments(kernel):
+    """For every argument set the rule takes among the base case's (and the
+    select's also with BF16 logits) with one tensor's base pointer 1 to 16
+    bytes further or one of its strides 1 to 16 bytes longer, the fakes of
+    the key ``spec`` derives describe the arguments it derives: the stand-ins
+    a key compiles on claim no more alignment than the rule asks."""
+    problems, taken = [], 0
+    for dtype, arguments in base_cases(kernel):
+        for name, changed in loosened(arguments):
+            with allow_cpu():
+                if answer(kernel, changed) is not None:
+                    continue
+            taken += 1
+            problems += [f"{dtype}{name}: {p}" for p in fakes_differ(kernel, changed)]
+    assert taken > 0
     assert problems == []
 
 

@@ -1,18 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The warmup self-check (``self_check.check``): each compile key's
-executor runs ``CASES`` cases of ``cases.py`` in the key's layout, every
-buffer it may write compared with its stock twin's; the first mismatch
-comes back as "kernel case N (seed S): what" (the stage's warmup then
-keeps the stage off), and the seed replays it.
+executor runs ``CASES`` cases of ``cases.py`` in the key's layout and the
+buffers each case lists as written are compared, byte for byte, with its
+stock twin's; the first mismatch comes back as "kernel case N (seed S):
+what" (the stage's warmup then keeps the stage off).
 
-CPU: executors that are doubles (the stock expansion itself; one that
-changes a byte; one that writes nothing, for every kernel), the rules
-taking CPU tensors; an input the rule refuses is reported. GPU: the
-kernels of a GLM-5-Next deployment's keys pass on this GPU, within the
-start-up budget, and a corrupted one is caught with its seed."""
+CPU: executor doubles over the real cases (the stock expansion itself; the
+case's expected bytes copied, with one byte of one buffer changed in one
+case, or with its zeros left out; one that writes nothing), for every
+kernel and every buffer it writes; the printed seed draws the failing
+case's inputs again, byte for byte; a case that derives another key or
+that the rule refuses is reported, not launched; ``poisoned`` buffers
+start as random bytes. GPU: the kernels of a GLM-5-Next deployment's keys
+pass on this GPU, within the start-up budget, and a corrupted one is
+caught with its seed."""
 
-import random
 import re
 import time
 
@@ -23,7 +26,7 @@ from rule_edges import KEYS, SEEDS, SMS, allow_cpu
 from vllm.models.glm5next.nvidia.ops.kpool_compress import (
     expand_pools_and_append_tail,
 )
-from vllm.models.glm5next.nvidia.specialized_decode import self_check
+from vllm.models.glm5next.nvidia.specialized_decode import cases, self_check
 from vllm.models.glm5next.nvidia.specialized_decode.constants import POOL
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand.launch import (
     EXPAND,
@@ -31,7 +34,11 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand.launch import
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.remap.launch import (
     REMAP,
 )
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.kernel import (
+    CAPACITIES,
+)
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
+    CLUSTERS,
     SELECT,
     sm_count,
 )
@@ -74,24 +81,210 @@ def test_stock_bytes_pass(on_cpu):
     assert self_check.check({KEY: stock_expansion}, 20, CPU, cases=6) is None
 
 
-def test_a_planted_difference_is_reported_with_its_seed(on_cpu):
-    """One flipped bit: the first case with rows is reported with its
-    number and seed, and that seed replays it as case 0."""
-    seed = 20
-    problem = self_check.check({KEY: changed}, seed, CPU, cases=6)
-    match = re.fullmatch(
-        r"ExpandKernel case (\d+) \(seed (\d+)\) differs from stock: (.+)", problem
-    )
-    assert match and int(match[2]) == seed + int(match[1]) and match[3] == str(KEY)
-    replay = self_check.check({KEY: changed}, int(match[2]), CPU, cases=1)
-    assert replay == f"ExpandKernel case 0 (seed {match[2]}) differs from stock: {KEY}"
-    # The cases before it had no rows (nothing to differ).
-    for case in range(int(match[1])):
-        rng = random.Random(seed + case)
-        drawn = self_check.DRAWS[EXPAND](
-            rng, torch.Generator().manual_seed(seed + case), KEY
-        )
-        assert drawn.arguments["pool_ids"].shape[0] == 0
+class Drawn:
+    """The cases the self-check draws, recorded as the real drawers return
+    them (``self_check.DRAWS`` wrapped): each case, its arguments' bytes and
+    its written buffers as drawn (before any launch). ``stock()`` is an
+    executor double that leaves the current case's buffers as stock does."""
+
+    def __init__(self, monkeypatch):
+        self.cases: list[cases.Case] = []
+        self.inputs: list[dict] = []
+        self.before: list[list[torch.Tensor]] = []
+        wrapped = {kernel: self.recorder(draw) for kernel, draw in cases.CASES.items()}
+        monkeypatch.setattr(self_check, "DRAWS", wrapped)
+
+    def recorder(self, draw):
+        def drawn(*args, **kwargs):
+            case = draw(*args, **kwargs)
+            self.cases.append(case)
+            self.inputs.append({n: snapshot(v) for n, v in case.arguments.items()})
+            self.before.append([w.clone() for w in case.written])
+            return case
+
+        return drawn
+
+    def stock(self, corrupt=None):
+        """Copies each expected buffer into its written one; then
+        ``corrupt(case number, case)`` changes what it wants."""
+
+        def run(*args):
+            number, case = len(self.cases) - 1, self.cases[-1]
+            for got, want in zip(case.written, case.expected, strict=True):
+                got.copy_(want)
+            if corrupt is not None:
+                corrupt(number, case)
+
+        return run
+
+
+def snapshot(value):
+    """A tensor as (dtype, shape, strides, offset, its whole storage's
+    bytes); any other value as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    storage = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
+    layout = (value.dtype, value.shape, value.stride(), value.storage_offset())
+    return (*layout, storage.clone())
+
+
+def same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return a[:4] == b[:4] and torch.equal(a[4], b[4])
+    return a == b
+
+
+@pytest.fixture
+def drawn(on_cpu, monkeypatch):
+    return Drawn(monkeypatch)
+
+
+def flip_byte(buffer: torch.Tensor, at: int) -> None:
+    """One bit of byte ``at`` (negative: from the end) of ``buffer``."""
+    buffer.view(torch.uint8).view(-1)[at : at + 1 or None].bitwise_xor_(1)
+
+
+def corrupt_last_byte(number, case):
+    flip_byte(case.written[0], -1)
+
+
+# (kernel, buffer): every buffer of every kernel; the update writes its
+# cache and its tail ring, the remap its output and its counts.
+BUFFERS = [(UPDATE, 0), (UPDATE, 1), (EXPAND, 0), (REMAP, 0), (REMAP, 1)]
+BUFFERS += [(UPCAST, 0), (SELECT, 0)]
+
+
+@pytest.mark.parametrize(
+    "kernel, buffer", BUFFERS, ids=[f"{type(k).__name__}-{b}" for k, b in BUFFERS]
+)
+def test_one_byte_of_one_buffer_is_caught(drawn, kernel, buffer):
+    """An executor that writes stock's bytes but one, in one of the buffers
+    it writes (the others right), is reported with the case's number and
+    seed; the same executor without the change passes."""
+    key, seed = kernel.dispatch(**KEYS[kernel]), SEEDS[kernel]
+    assert self_check.check({key: drawn.stock()}, seed, CPU, cases=1) is None
+
+    def corrupt(number, case):
+        flip_byte(case.written[buffer], -1)
+
+    problem = self_check.check({key: drawn.stock(corrupt)}, seed, CPU, cases=1)
+    name = type(kernel).__name__
+    assert problem == f"{name} case 0 (seed {seed}) differs from stock: {key}"
+
+
+@pytest.mark.parametrize("at", [0, 37, self_check.CASES - 1])
+def test_one_case_of_all_is_caught(drawn, at):
+    """Of the select's ``CASES`` cases (the default count), only case ``at``
+    has one byte changed, in the middle of its output: the report names
+    that case and its seed."""
+    key = SELECT.dispatch(**KEYS[SELECT])
+
+    def corrupt(number, case):
+        if number == at:
+            flip_byte(case.written[0], case.written[0].numel() * 2)
+
+    problem = self_check.check({key: drawn.stock(corrupt)}, 5, CPU)
+    assert len(drawn.cases) == self_check.CASES
+    want = f"SelectKernel case {at} (seed {5 + at}) differs from stock: {key}"
+    assert problem == want
+
+
+@pytest.mark.parametrize(
+    "kernel, at", [(SELECT, 41), (EXPAND, 2)], ids=["SelectKernel", "ExpandKernel"]
+)
+def test_the_printed_seed_replays_the_case(drawn, kernel, at):
+    """The seed a failure prints draws the failing case again: the
+    self-check run with that seed reports it as case 0, its inputs the same
+    bytes (each tensor's whole storage) and its expected bytes the same."""
+    key, seed = kernel.dispatch(**KEYS[kernel]), 1000
+
+    def corrupt(number, case):
+        if number == at:
+            flip_byte(case.written[0], -1)
+
+    problem = self_check.check({key: drawn.stock(corrupt)}, seed, CPU, cases=at + 1)
+    pattern = rf"\w+ case {at} \(seed (\d+)\) differs from stock: .+"
+    match = re.fullmatch(pattern, problem or "")
+    assert match, problem
+    failing, expected = drawn.inputs[at], drawn.cases[at].expected
+    stock = drawn.stock(corrupt_last_byte)
+    replay = self_check.check({key: stock}, int(match[1]), CPU, cases=1)
+    assert replay == problem.replace(f"case {at} ", "case 0 ")
+    again = drawn.inputs[-1]
+    assert [n for n in failing if not same(failing[n], again[n])] == []
+    assert all(map(torch.equal, expected, drawn.cases[-1].expected))
+
+
+def skips_zeros(drawn):
+    """An executor that writes stock's bytes except the values equal to
+    zero (in each buffer's own dtype), which it leaves as they were."""
+
+    def run(*args):
+        case = drawn.cases[-1]
+        for got, want in zip(case.written, case.expected, strict=True):
+            bits = BITS[got.element_size()]
+            kept = torch.where(want != 0, want.view(bits), got.view(bits))
+            got.view(bits).copy_(kept)
+
+    return run
+
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def zeros_over_other_bytes(case, before) -> int:
+    """The values equal to zero that stock writes over other bytes."""
+    found = 0
+    for want, old in zip(case.expected, before, strict=True):
+        bits = BITS[want.element_size()]
+        found += int(((want == 0) & (want.view(bits) != old.view(bits))).sum())
+    return found
+
+
+@pytest.mark.parametrize(
+    "kernel", [UPDATE, EXPAND, REMAP, UPCAST, SELECT], ids=lambda k: type(k).__name__
+)
+def test_a_kernel_that_skips_writing_zeros_is_caught(drawn, kernel):
+    """An executor that writes stock's bytes but leaves out the values
+    equal to zero: of seeds 0, 1, ... (one case each, in the base case's
+    key) until one where stock writes zeros over other bytes, it differs
+    from stock exactly there."""
+    key = kernel.dispatch(**KEYS[kernel])
+    name = type(kernel).__name__
+    for seed in range(20):
+        problem = self_check.check({key: skips_zeros(drawn)}, seed, CPU, cases=1)
+        if zeros_over_other_bytes(drawn.cases[-1], drawn.before[-1]):
+            break
+        assert problem is None, seed
+    else:
+        pytest.fail("stock wrote no zero over other bytes in 20 cases")
+    assert problem == f"{name} case 0 (seed {seed}) differs from stock: {key}"
+
+
+def test_outputs_start_as_random_bytes():
+    """``poisoned``: every byte value, none much more often than another;
+    another draw for the next one."""
+    gen = torch.Generator().manual_seed(3)
+    first = cases.poisoned((4096, 4), torch.int32, gen).view(torch.uint8).view(-1)
+    counts = torch.bincount(first.long(), minlength=256)
+    assert counts.min() > 0 and counts.max() < 3 * first.numel() // 256
+    second = cases.poisoned((4096, 4), torch.int32, gen).view(torch.uint8).view(-1)
+    assert (first != second).float().mean() > 0.9
+
+
+def test_cases_of_another_key_are_reported_not_launched(drawn):
+    """A select key no rows and width derive (16 CTAs of the smallest
+    capacity): its cases derive another key, and the self-check reports
+    that without launching the executor."""
+    key = SELECT.CompileKey(512, torch.float32, CLUSTERS[-1], CAPACITIES[0])
+    launched = []
+    problem = self_check.check({key: lambda *a: launched.append(a)}, 3, CPU, cases=1)
+    [case] = drawn.cases
+    with allow_cpu():
+        derived = SELECT.spec(**case.arguments)[0]
+    assert derived != key
+    assert problem == f"SelectKernel case 0 (seed 3): derives {derived}, not {key}"
+    assert launched == []
 
 
 @pytest.mark.parametrize(

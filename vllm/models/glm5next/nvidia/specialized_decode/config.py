@@ -13,7 +13,7 @@ into a ``DecodeConfig``, and what a deployment must have to run the
 - ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED``: the self-check's seed, decimal
   ASCII digits of a value in [0, 2**31) (31 bits, as the self-check's
   failure line prints it); unset, ``runtime/warmup.py``'s
-  ``SELF_CHECK_SEED``, the same on every rank;
+  ``SEED`` (0), the same on every rank;
 - ``kpool_select``: ``true`` runs the stage's own pool top-k (stock's set
   where no tie straddles its threshold, in ascending pool order: not
   stock's bytes) at every batch size, so that a row's pools do not depend

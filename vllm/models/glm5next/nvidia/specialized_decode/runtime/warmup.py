@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The stage's JIT warmup: the kernel variants a planned step of its layers
-can launch, compiled before CUDA graph capture, then self-checked."""
+can launch, compiled before CUDA graph capture, then self-checked, and the
+verdict agreed over the tensor-parallel group."""
 
 import time
 from typing import Any, NamedTuple
@@ -22,12 +23,13 @@ from .remap import remap_layout
 
 logger = init_logger(__name__)
 
+# The self-check's seed unless VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED gives one:
+# a constant, so that every rank (and every start) checks the same cases.
+SEED = 0
+
 # The dtypes the indexer hands the kernels: the model runner's int64
 # positions (int32 where it casts them) and slot mappings.
 POSITIONS, SLOTS = torch.int64, torch.int64
-# The self-check's seed where the deployment gives none: one seed for every
-# rank and run, so that tensor-parallel ranks check the same cases.
-SELF_CHECK_SEED = 1592590337
 
 
 def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
@@ -98,6 +100,24 @@ def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
     return values
 
 
+def failed_ranks(failed: bool) -> tuple[list[int], int]:
+    """(the tensor-parallel ranks whose warmup failed, the group's size),
+    this rank's ``failed`` among them: gathered over the TP group's CPU
+    (gloo) group, no device sync (every rank of the group calls it, once a
+    stage). Where no TP group is initialized: this process alone, rank 0."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return ([0] if failed else []), 1
+    group = parallel_state.get_tp_group()
+    if group.world_size == 1:
+        return ([group.rank_in_group] if failed else []), 1
+    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(group.world_size)]
+    mine = torch.tensor([int(failed)], dtype=torch.int32)
+    torch.distributed.all_gather(flags, mine, group=group.cpu_group)
+    return [rank for rank, flag in enumerate(flags) if flag.item()], group.world_size
+
+
 class StageWarmup(VllmJitKernel["StageWarmup.CompileKey"]):
     """One stage's entry in the model runner's JIT warmup registry. Its keys
     are the (kernel, compile key) pairs a planned step of its layers can
@@ -120,9 +140,9 @@ class StageWarmup(VllmJitKernel["StageWarmup.CompileKey"]):
     def __init__(self, stage, attentions, self_check: str = "on", seed=None):
         super().__init__()
         self.stage, self.attentions = stage, list(attentions)
-        # The self-check's mode and seed (None: SELF_CHECK_SEED).
+        # The self-check's mode and seed (None: ``SEED``).
         self.self_check = self_check
-        self.seed = SELF_CHECK_SEED if seed is None else seed
+        self.seed = SEED if seed is None else seed
 
     def get_warmup_keys(self, vllm_config=None) -> list[CompileKey]:
         keys: dict = {}
@@ -135,86 +155,65 @@ class StageWarmup(VllmJitKernel["StageWarmup.CompileKey"]):
         compile_key.kernel.compile(compile_key.key)
 
     def compile_many(self, compile_keys) -> None:
-        """Compiles the keys and self-checks them; the stage gets the
-        executors only where every tensor-parallel rank's warmup passed
-        (``failed_ranks``), so that all ranks run the stage or all run
-        stock. "strict" raises on every rank, once all have answered."""
-        failure: Exception | None = None
+        """Compiles the keys and self-checks them (unless "off"), then the
+        TP ranks agree: the stage gets its executors on every rank or on
+        none, and each rank logs one line (a failing rank its own failure,
+        the others which ranks failed). "strict": a failure raises on every
+        rank, once the ranks agreed (so that none waits for one that left)."""
+        executors, problem, error, elapsed = None, None, None, 0.0
         try:
             executors = {
                 key: kernel.executor(key) for kernel, key in list(compile_keys)
             }
-            passed = self.self_check == "off" or self.check(executors)
-        except Exception as error:
-            failure, passed = error, False
-            if self.self_check != "strict":
-                logger.exception(
-                    "GLM-5-Next specialized decode: warmup failed (%s); %s stays "
-                    "off and the decode runs stock.",
-                    error,
-                    STAGE,
-                )
-        failed, ranks = failed_ranks(passed)
+            if self.self_check != "off":
+                started = time.perf_counter()
+                problem = self.check(executors)
+                elapsed = time.perf_counter() - started
+        except Exception as raised:
+            error = raised
+        failed, ranks = failed_ranks(error is not None or problem is not None)
         if not failed:
+            if self.self_check != "off":
+                from .. import self_check
+
+                logger.info(
+                    "GLM-5-Next specialized decode: self-check passed: %d kernel "
+                    "variants x %d cases, seed %d, %.2f s; %s on%s.",
+                    len(executors),
+                    self_check.CASES,
+                    self.seed,
+                    elapsed,
+                    STAGE,
+                    f" (all {ranks} TP ranks passed)" if ranks > 1 else "",
+                )
             self.stage.executors = executors
             return
-        if self.self_check == "strict" and failure is not None:
-            raise failure
-        if ranks > 1:
-            message = (
-                f"GLM-5-Next specialized decode: the warmup failed on "
-                f"tensor-parallel rank(s) {failed} of {ranks}; {STAGE} stays off "
-                "on every rank and the decode runs stock."
-            )
-            if self.self_check == "strict":
-                raise RuntimeError(message) from failure
-            logger.error(message)
-
-    def check(self, executors: dict) -> bool:
-        """The self-check on this GPU: True when every compiled kernel gave
-        its stock twin's bytes; else one error line (the kernel, the case,
-        the seed to replay it), or in "strict" a RuntimeError."""
-        from vllm.models.glm5next.nvidia.specialized_decode import self_check
-
-        seed = self.seed
-        started = time.perf_counter()
-        device = self.stage.pool_buffer.device
-        problem = self_check.check(executors, seed, device)
-        elapsed = time.perf_counter() - started
-        if problem is None:
-            logger.info(
-                "GLM-5-Next specialized decode: self-check passed: %d kernel "
-                "variants x %d cases, seed %d, %.2f s; %s on.",
-                len(executors),
-                self_check.CASES,
-                seed,
-                elapsed,
-                STAGE,
-            )
-            return True
-        message = (
-            f"GLM-5-Next specialized decode: self-check failed, {problem}; "
-            f"{STAGE} stays off and the decode runs stock (replay with "
-            f"{SELF_CHECK_SEED_ENV}={seed})."
-        )
+        line = self.failure(problem, error, failed, ranks)
         if self.self_check == "strict":
-            raise RuntimeError(message)
-        logger.error(message)
-        return False
+            raise error or RuntimeError(line)
+        logger.error(line, exc_info=error)
 
+    def failure(self, problem, error, failed: list[int], ranks: int) -> str:
+        """The line of a warmup after which the stage stays off: this rank's
+        error or self-check failure, else the TP ranks that failed."""
+        prefix = "GLM-5-Next specialized decode: "
+        where = ""
+        if ranks > 1:
+            listed = ", ".join(map(str, failed))
+            where = f" on every TP rank (failed: rank {listed} of {ranks})"
+        off = f"{STAGE} stays off{where} and the decode runs stock"
+        if error is not None:
+            return f"{prefix}warmup failed ({error}); {off}."
+        if problem is not None:
+            replay = f"replay with {SELF_CHECK_SEED_ENV}={self.seed}"
+            return f"{prefix}self-check failed, {problem}; {off} ({replay})."
+        return f"{prefix}this rank's warmup passed; {off}."
 
-def failed_ranks(passed: bool) -> tuple[list[int], int]:
-    """The tensor-parallel ranks whose warmup failed, and how many ranks
-    there are: this process's own verdict where no process group is set up,
-    else every rank's, gathered over the group's CPU (gloo) group at warmup.
-    Every rank of the group must call it."""
-    if not torch.distributed.is_initialized():
-        return ([] if passed else [0]), 1
-    from vllm.distributed import get_tp_group
+    def check(self, executors: dict) -> str | None:
+        """The self-check on this GPU: None when every compiled kernel gave
+        its stock twin's bytes, else the first mismatch (the kernel, the
+        case, its seed)."""
+        from .. import self_check
 
-    group = get_tp_group()
-    if group.world_size == 1:
-        return ([] if passed else [0]), 1
-    verdicts: list = [None] * group.world_size
-    torch.distributed.all_gather_object(verdicts, passed, group=group.cpu_group)
-    return [rank for rank, ok in enumerate(verdicts) if not ok], group.world_size
+        device = self.stage.pool_buffer.device
+        return self_check.check(executors, self.seed, device)
