@@ -85,9 +85,9 @@ STAND_INS = {
     "vllm.utils.torch_utils.current_stream": "torch_utils is not staged",
     # CUDA when torch sees a GPU.
     "vllm.platforms.current_platform": "no platform detection",
-    # The warmup's rank verdicts: called only where torch.distributed is set
-    # up, which the kernel-only runs never do.
+    # The warmup's rank verdicts: no process group in the kernel-only runs.
     "vllm.distributed.get_tp_group": "vLLM's distributed state is not staged",
+    "vllm.distributed.model_parallel_is_initialized": "no process group there",
     **dict.fromkeys(RAISING, "raises unless replaced"),
     **dict.fromkeys(IMPLS, "their modules do not load there"),
 }

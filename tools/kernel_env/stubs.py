@@ -121,12 +121,16 @@ def stubs() -> dict[str, dict[str, Any]]:
             **_classes("vllm.config", "ParallelConfig", "VllmConfig"),
             "get_current_vllm_config_or_none": lambda: None,
         },
-        "vllm.distributed": ops(
-            "vllm.distributed",
-            "get_dcp_group",
-            "get_tp_group",
-            "get_tensor_model_parallel_rank",
-        ),
+        "vllm.distributed": {
+            **ops(
+                "vllm.distributed",
+                "get_dcp_group",
+                "get_tp_group",
+                "get_tensor_model_parallel_rank",
+            ),
+            # The kernel-only runs set up no process group.
+            "model_parallel_is_initialized": lambda: False,
+        },
         "vllm._custom_ops": ops(
             "vllm._custom_ops",
             "cp_gather_indexer_k_quant_cache",

@@ -105,11 +105,11 @@ def failed_ranks(failed: bool) -> tuple[list[int], int]:
     this rank's ``failed`` among them: gathered over the TP group's CPU
     (gloo) group, no device sync (every rank of the group calls it, once a
     stage). Where no TP group is initialized: this process alone, rank 0."""
-    from vllm.distributed import parallel_state
+    from vllm.distributed import get_tp_group, model_parallel_is_initialized
 
-    if not parallel_state.model_parallel_is_initialized():
+    if not model_parallel_is_initialized():
         return ([0] if failed else []), 1
-    group = parallel_state.get_tp_group()
+    group = get_tp_group()
     if group.world_size == 1:
         return ([group.rank_in_group] if failed else []), 1
     flags = [torch.zeros(1, dtype=torch.int32) for _ in range(group.world_size)]
