@@ -314,6 +314,38 @@ def test_stock_twins_on_the_launch_arguments_pass(on_cpu, kernel):
     assert self_check.check({key: stock_twin(key)}, SEEDS[kernel], CPU, cases=2) is None
 
 
+def test_special_values_are_the_specials_bit_for_bit():
+    """``special_values``: each of ``SPECIALS`` once, as its FP32 bits and
+    as the upper half of them in BF16 (written out here from the integers)."""
+    fp32 = cases.special_values(torch.float32, CPU).view(torch.int32).tolist()
+    assert fp32 == [w - (1 << 32) if w >= 1 << 31 else w for w in cases.SPECIALS]
+    bf16 = cases.special_values(torch.bfloat16, CPU).view(torch.int16).tolist()
+    upper = [w >> 16 for w in cases.SPECIALS]
+    assert bf16 == [h - (1 << 16) if h >= 1 << 15 else h for h in upper]
+
+
+def floats(*bits: int) -> torch.Tensor:
+    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize(
+    "row, end, k, want",
+    [
+        # -0.0 below +0.0: +0.0 wins though it comes later.
+        pytest.param((0x80000000, 0x00000000, 0x80000000), 3, 1, [1], id="zeros"),
+        # The smallest key (-NaN, all bits set) still beats the columns past
+        # the end (here +inf): ties to the lower columns.
+        pytest.param((0xFFFFFFFF,) * 3 + (0x7F800000,), 3, 2, [0, 1], id="past-end"),
+    ],
+)
+def test_select_reference_at_its_order_edges(row, end, k, want):
+    """``select_reference`` (the select's expected rows) at the ends of its
+    order, written out here."""
+    ends = torch.tensor([end], dtype=torch.int32)
+    got = cases.select_reference(floats(*row), ends, k)
+    assert got.tolist() == [want]
+
+
 def test_outputs_start_as_random_bytes():
     """``poisoned``: every byte value, none much more often than another;
     another draw for the next one."""
