@@ -324,6 +324,17 @@ def test_special_values_are_the_specials_bit_for_bit():
     assert bf16 == [h - (1 << 16) if h >= 1 << 15 else h for h in upper]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_specials_draws_every_special(dtype):
+    """``specials`` at rate 1 over 4096 values: every one of
+    ``special_values``, and nothing else."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[dtype]
+    gen = torch.Generator().manual_seed(0)
+    drawn = cases.specials(torch.ones(4096, dtype=dtype), 1.0, gen).view(bits)
+    table = cases.special_values(dtype, CPU).view(bits)
+    assert set(drawn.tolist()) == set(table.tolist())
+
+
 def floats(*bits: int) -> torch.Tensor:
     return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
 
