@@ -195,7 +195,7 @@ def test_one_case_of_all_is_caught(drawn, at):
     assert problem == want
 
 
-REPLAYS = [(SELECT, 41), (EXPAND, 2), (UPDATE, 1), (REMAP, 1), (UPCAST, 1)]
+REPLAYS = [(SELECT, 41), (EXPAND, 2), (UPDATE, 1), (REMAP, 1), (UPCAST, 6)]
 
 
 @pytest.mark.parametrize(
