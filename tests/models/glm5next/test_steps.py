@@ -67,6 +67,14 @@ def test_planned_decode_steps(steps, mode):
     assert not steps.covers(context(attn, mode))
 
 
+def test_a_layer_without_tokens_leaves_a_decode_step_planned(steps):
+    """A layer whose metadata holds neither prefills nor decode tokens,
+    wherever it comes, does not unplan a step another layer decodes in."""
+    empty = metadata(decode_tokens=0)
+    assert steps.covers(context({"a": metadata(), "b": empty}))
+    assert steps.covers(context({"b": empty, "a": metadata()}))
+
+
 def test_one_decode_token_is_planned(steps):
     """Batch 1 without speculation: one decode token is a planned step."""
     assert steps.covers(context({"a": metadata(decode_tokens=1)}))

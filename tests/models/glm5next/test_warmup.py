@@ -242,10 +242,14 @@ def ranks():
         for rank in range(3)
     ]
     found = {}
-    for rank, run in enumerate(runs):
-        out, err = run.communicate(timeout=300)
-        assert run.returncode == 0, err[-3000:]
-        found[rank] = json.loads(out.strip().splitlines()[-1])["results"]
+    try:
+        for rank, run in enumerate(runs):
+            out, err = run.communicate(timeout=300)
+            assert run.returncode == 0, err[-3000:]
+            found[rank] = json.loads(out.strip().splitlines()[-1])["results"]
+    finally:
+        for run in runs:
+            run.kill()
     return found
 
 
@@ -312,3 +316,12 @@ def test_strict_raises_on_every_tp_rank(ranks):
 def test_off_runs_the_stage_without_a_self_check_on_every_tp_rank(ranks):
     """ "off": no self-check (rank 1's would fail), the stage on everywhere."""
     assert [r["on"] for r in scenario(ranks, 4)] == [True, True, True]
+
+
+def test_strict_raises_on_every_tp_rank_when_a_compile_fails(ranks):
+    """ "strict", rank 1's compile raises: rank 1 raises its error, the
+    others a RuntimeError naming rank 1, once the ranks agreed (none left
+    waiting in the exchange)."""
+    raised = [r["raised"] for r in scenario(ranks, 5)]
+    assert raised[1] == "RuntimeError: no ptxas"
+    assert all(OFF.format(1) in raised[rank] for rank in (0, 2))

@@ -16,8 +16,12 @@ start as random bytes. GPU: the kernels of a GLM-5-Next deployment's keys
 pass on this GPU, within the start-up budget, and a corrupted one is
 caught with its seed."""
 
+import functools
+import random
 import re
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,6 +54,8 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.update.launch import
 )
 
 CPU = torch.device("cpu")
+# indexer_sim (the step simulator, one directory up) for its stock twins.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The expansion of lengths in their own dtype (the stock call the case's
 # expected bytes come from).
 KEY = EXPAND.dispatch(groups=100, seq_lens_dtype=torch.int64, int32_lengths=False)
@@ -189,14 +195,17 @@ def test_one_case_of_all_is_caught(drawn, at):
     assert problem == want
 
 
+REPLAYS = [(SELECT, 41), (EXPAND, 2), (UPDATE, 1), (REMAP, 1), (UPCAST, 6)]
+
+
 @pytest.mark.parametrize(
-    "kernel, at", [(SELECT, 41), (EXPAND, 2)], ids=["SelectKernel", "ExpandKernel"]
+    "kernel, at", REPLAYS, ids=[type(k).__name__ for k, _ in REPLAYS]
 )
 def test_the_printed_seed_replays_the_case(drawn, kernel, at):
     """The seed a failure prints draws the failing case again: the
     self-check run with that seed reports it as case 0, its inputs the same
     bytes (each tensor's whole storage) and its expected bytes the same."""
-    key, seed = kernel.dispatch(**KEYS[kernel]), 1000
+    key, seed = kernel.dispatch(**KEYS[kernel]), SEEDS[kernel]
 
     def corrupt(number, case):
         if number == at:
@@ -212,7 +221,8 @@ def test_the_printed_seed_replays_the_case(drawn, kernel, at):
     assert replay == problem.replace(f"case {at} ", "case 0 ")
     again = drawn.inputs[-1]
     assert [n for n in failing if not same(failing[n], again[n])] == []
-    assert all(map(torch.equal, expected, drawn.cases[-1].expected))
+    pairs = zip(expected, drawn.cases[-1].expected, strict=True)
+    assert all(same(snapshot(a), snapshot(b)) for a, b in pairs)
 
 
 def skips_zeros(drawn):
@@ -242,7 +252,7 @@ def zeros_over_other_bytes(case, before) -> int:
 
 
 @pytest.mark.parametrize(
-    "kernel", [UPDATE, EXPAND, REMAP, UPCAST, SELECT], ids=lambda k: type(k).__name__
+    "kernel", [UPDATE, EXPAND, REMAP, SELECT], ids=lambda k: type(k).__name__
 )
 def test_a_kernel_that_skips_writing_zeros_is_caught(drawn, kernel):
     """An executor that writes stock's bytes but leaves out the values
@@ -259,6 +269,92 @@ def test_a_kernel_that_skips_writing_zeros_is_caught(drawn, kernel):
     else:
         pytest.fail("stock wrote no zero over other bytes in 20 cases")
     assert problem == f"{name} case 0 (seed {seed}) differs from stock: {key}"
+
+
+@pytest.mark.parametrize(
+    "kernel", [UPDATE, EXPAND, REMAP, SELECT], ids=lambda k: type(k).__name__
+)
+def test_each_written_buffer_has_expected_bytes_of_its_own(kernel):
+    """In each kernel's base case every buffer the case lists as written has
+    its expected bytes in storage of their own, and they differ from the
+    buffer's: an executor that writes nothing cannot pass, whichever
+    buffer it is."""
+    extra = {"sms": SMS} if kernel is SELECT else {}
+    seed, key = SEEDS[kernel], kernel.dispatch(**KEYS[kernel])
+    gen = torch.Generator().manual_seed(seed)
+    case = cases.CASES[kernel](random.Random(seed), gen, key, **extra)
+    assert len(case.written) == len(case.expected)
+    for got, want in zip(case.written, case.expected, strict=True):
+        ptr = want.untyped_storage().data_ptr()
+        assert ptr != got.untyped_storage().data_ptr()
+        assert not torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def stock_twin(key):
+    """An executor double that computes what ``key``'s kernel writes by its
+    stock twin, from the arguments ``spec`` derives (``indexer_sim.twin``,
+    the CPU step simulator's: written from the launch arguments, not from
+    ``cases.py``)."""
+    from indexer_sim import kernel_name, twin
+
+    return functools.partial(twin, kernel_name(key), key)
+
+
+@pytest.mark.parametrize(
+    "kernel", [UPDATE, EXPAND, REMAP, SELECT], ids=lambda k: type(k).__name__
+)
+def test_stock_twins_on_the_launch_arguments_pass(on_cpu, kernel):
+    """Each case's expected bytes are what the stock twin writes when it is
+    handed the arguments the kernel is launched with (two cases of the base
+    case's key and seed): the cases' reference is stock's, and ``spec``
+    hands the kernel the case's buffers. (Not the upcast: the simulator's
+    twin writes no column past the width, where a row end in the padding
+    has stock convert too.)"""
+    key = kernel.dispatch(**KEYS[kernel])
+    assert self_check.check({key: stock_twin(key)}, SEEDS[kernel], CPU, cases=2) is None
+
+
+def test_special_values_are_the_specials_bit_for_bit():
+    """``special_values``: each of ``SPECIALS`` once, as its FP32 bits and
+    as the upper half of them in BF16 (written out here from the integers)."""
+    fp32 = cases.special_values(torch.float32, CPU).view(torch.int32).tolist()
+    assert fp32 == [w - (1 << 32) if w >= 1 << 31 else w for w in cases.SPECIALS]
+    bf16 = cases.special_values(torch.bfloat16, CPU).view(torch.int16).tolist()
+    upper = [w >> 16 for w in cases.SPECIALS]
+    assert bf16 == [h - (1 << 16) if h >= 1 << 15 else h for h in upper]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_specials_draws_every_special(dtype):
+    """``specials`` at rate 1 over 4096 values: every one of
+    ``special_values``, and nothing else."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[dtype]
+    gen = torch.Generator().manual_seed(0)
+    drawn = cases.specials(torch.ones(4096, dtype=dtype), 1.0, gen).view(bits)
+    table = cases.special_values(dtype, CPU).view(bits)
+    assert set(drawn.tolist()) == set(table.tolist())
+
+
+def floats(*bits: int) -> torch.Tensor:
+    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize(
+    "row, end, k, want",
+    [
+        # -0.0 below +0.0: +0.0 wins though it comes later.
+        pytest.param((0x80000000, 0x00000000, 0x80000000), 3, 1, [1], id="zeros"),
+        # The smallest key (-NaN, all bits set) still beats the columns past
+        # the end (here +inf): ties to the lower columns.
+        pytest.param((0xFFFFFFFF,) * 3 + (0x7F800000,), 3, 2, [0, 1], id="past-end"),
+    ],
+)
+def test_select_reference_at_its_order_edges(row, end, k, want):
+    """``select_reference`` (the select's expected rows) at the ends of its
+    order, written out here."""
+    ends = torch.tensor([end], dtype=torch.int32)
+    got = cases.select_reference(floats(*row), ends, k)
+    assert got.tolist() == [want]
 
 
 def test_outputs_start_as_random_bytes():
@@ -288,7 +384,7 @@ def test_cases_of_another_key_are_reported_not_launched(drawn):
 
 
 @pytest.mark.parametrize(
-    "kernel", [UPDATE, EXPAND, REMAP, UPCAST, SELECT], ids=lambda k: type(k).__name__
+    "kernel", [UPDATE, EXPAND, REMAP, SELECT], ids=lambda k: type(k).__name__
 )
 def test_an_executor_that_writes_nothing_is_caught(on_cpu, kernel):
     """Every kernel's cases compare what it writes: an executor that

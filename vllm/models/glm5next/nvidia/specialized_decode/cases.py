@@ -7,10 +7,12 @@ the GPU tests draw the key too (``*_case(rng, gen)``), from few layouts, so
 that a run compiles few variants.
 
 A ``Case`` holds the kernel's keyword arguments, every buffer the kernel may
-write (whole: rows and columns past its outputs included, filled with random
-bytes first), and those buffers as the stock twin leaves them (computed when
-the case is drawn, before any launch; where stock leaves memory unwritten,
-only what it wrote is read). The opt-in select has no stock twin of the same
+write (whole: rows and columns past its outputs included; the outputs filled
+with random bytes first, ``poisoned``; the update's cache random bytes and its
+tail ring random BF16 values, which the kernel also reads), and copies of
+those buffers as the stock twin leaves them (computed when the case is drawn,
+before any launch; where stock leaves memory unwritten, only what it wrote is
+read). The opt-in select has no stock twin of the same
 bytes: its expected rows are its contract (``select_reference``)."""
 
 import random

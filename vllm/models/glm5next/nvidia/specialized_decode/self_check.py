@@ -3,9 +3,10 @@
 """The stage's self-check at the JIT warmup: on the deployment's own GPU,
 every compiled kernel variant runs ``CASES`` randomized cases
 (``cases.py``: edge values, the variant's layout) with the executor the
-stage would launch, and every buffer it may write is compared, byte for
-byte, with what its stock twin writes (the opt-in select: with its
-contract). One sync at the end.
+stage would launch, and the buffers each case lists as written (whole,
+``Case.written``) are compared, byte for byte, with what its stock twin
+writes (the opt-in select: with its contract). Case N of seed S is drawn
+from seed S + N alone. One sync at the end.
 
 ``check(executors, seed, device)`` returns the first mismatch as "kernel
 case N (seed S): what" or None; ``KpoolStage`` then stays off and the decode
@@ -24,7 +25,9 @@ CASES = 64
 
 def check(executors: dict, seed: int, device, cases: int = CASES) -> str | None:
     """Runs ``cases`` cases of each compile key of ``executors`` (key ->
-    executor); the first case whose bytes differ from stock's, or None."""
+    executor); the first case the rule refuses or whose arguments derive
+    another key (neither launched), else the first whose bytes differ from
+    stock's, or None."""
     results = []
     for key, executor in executors.items():
         kernel = next(k for k in DRAWS if isinstance(key, k.CompileKey))

@@ -123,8 +123,9 @@ class StageWarmup(VllmJitKernel["StageWarmup.CompileKey"]):
     are the (kernel, compile key) pairs a planned step of its layers can
     launch; the registry compiles them on fakes before CUDA graph capture,
     then the self-check (``self_check.py``, unless "off") runs each on this
-    GPU against its stock twin, and the stage gets the executors only if all
-    passed ("strict": a failure raises).
+    GPU against its stock twin, and the stage gets the executors only if
+    every tensor-parallel rank's compiles and checks passed ("strict": a
+    failure raises on every rank).
 
     One entry per stage, not one per kernel: a stage launches only what its
     own warmup compiled and checked (not another engine's keys, nor a public
