@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Cold and warm compile times of the kpool kernels, as the stage's JIT
-warmup compiles them (``StageWarmup.get_warmup_keys``) for one DSA layer of
+warmup compiles them (the stage's kernels' ``get_warmup_keys``) for one DSA layer of
 a GLM-5-Next deployment (kpool 4, 2048-token top-k in 2176 columns, 64-token
 blocks, 256 decode rows), on this GPU (without one: for ``CUTE_DSL_ARCH``,
 default ``sm_90a``). Run it twice: the second process reads the CuTe DSL's
@@ -44,7 +44,7 @@ def main() -> None:
             model.attentions, geo.capacity, device, mx_scales=mx,
             select=args.select,
         )  # fmt: skip
-    keys = sim.StageWarmup(stage, model.attentions).get_warmup_keys()
+    keys = [(k, key) for k in stage.kernels for key in k.get_warmup_keys()]
     total = 0.0
     for kernel, key in keys:
         start = time.perf_counter()

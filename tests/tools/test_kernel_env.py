@@ -39,6 +39,8 @@ INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
 SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
 SPECIALIZED = "vllm.models.glm5next.nvidia.specialized_decode"
+# The GPU tests' case draws (``draws.py``).
+DRAWS = REPO / "tests" / "models" / "glm5next" / "specialized_decode"
 COMMON = "vllm.v1.attention.ops.common"
 MLA = "vllm.v1.attention.backends.mla"
 SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
@@ -386,13 +388,18 @@ def run_cases(inputs: dict, set_mx) -> dict:
         log,
         hooked,
     )
-    # What the GPU tier compares the kernels with: each kernel's case as
-    # cases.py draws it on the CPU, its expected buffers from the stock twins.
-    cases = importlib.import_module(f"{SPECIALIZED}.cases")
-    for kernel, draw in cases.CASES.items():
+    # What the GPU tier compares the kernels with: each kernel's case as the
+    # GPU tests draw it (a key, then cases.py's case) on the CPU, its expected
+    # buffers from the stock twins.
+    if str(DRAWS) not in sys.path:
+        sys.path.insert(0, str(DRAWS))
+    draws = importlib.import_module("draws")
+    for name in ("update", "expand", "remap", "upcast", "select"):
         seed = inputs["seed"]
-        case = draw(random.Random(seed), torch.Generator().manual_seed(seed))
-        out[f"case_{type(kernel).__name__}"] = (case.written, case.expected)
+        rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        extra = (132,) if name == "select" else ()
+        case = getattr(draws, f"{name}_case")(rng, gen, *extra)
+        out[f"case_{name}"] = (case.written, case.expected)
     return out
 
 

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import torch
 from indexer_batches import BACKENDS, Backend, Builder, Geometry, Scheduler, Workload
+from select_contract import contract_topk
 
 from vllm.compilation import breakable_cudagraph as breakable
 from vllm.config import CUDAGraphMode
@@ -44,11 +45,7 @@ from vllm.models.glm5next.nvidia import sparse_indexer
 from vllm.models.glm5next.nvidia.ops import kpool_compress as kpool_ops
 from vllm.models.glm5next.nvidia.specialized_decode import kpool
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common import host
-from vllm.models.glm5next.nvidia.specialized_decode.runtime import (
-    install,
-    remap,
-    warmup,
-)
+from vllm.models.glm5next.nvidia.specialized_decode.runtime import install, remap
 from vllm.models.glm5next.nvidia.specialized_decode.runtime import (
     stage as stage_module,
 )
@@ -73,7 +70,7 @@ KERNELS = dict(
     update=kpool.UPDATE, expand=kpool.EXPAND, remap=kpool.REMAP,
     upcast=kpool.UPCAST, select=kpool.SELECT,
 )  # fmt: skip
-StageRegistry, StageWarmup = install.StageRegistry, warmup.StageWarmup
+StageRegistry = install.StageRegistry
 
 # --- References --------------------------------------------------------------
 
@@ -176,26 +173,6 @@ def stable_topk(logits, starts, ends, k: int) -> torch.Tensor:
     return torch.nn.functional.pad(ids, (0, k - ids.shape[1]), value=-1)
 
 
-def select_contract(logits, ends, k: int) -> torch.Tensor:
-    """The opt-in select's contract, written from ``cutedsl/select/
-    kernel.py``'s statement (not from the product's reference): per row,
-    ``end = clamp(ends[row], 0, width)``; the top ``min(k, end)`` columns
-    below it by the IEEE totalOrder key of the FP32 value (a BF16 row's
-    exact upcast: ``-NaN < -inf < ... < -0.0 < +0.0 < ... < +NaN``), ties to
-    the lower ids, in ascending column order, then -1."""
-    bits = logits.float().view(torch.int32).long()
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # totalOrder as ints
-    width = logits.shape[1]
-    end = ends[: logits.shape[0]].long().clamp(0, width)[:, None]
-    cols = torch.arange(width, device=logits.device)
-    key = key.masked_fill(cols >= end, -(1 << 40))
-    ids = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
-    taken = torch.arange(ids.shape[1], device=ids.device) < end
-    ids = torch.sort(torch.where(taken, ids, width), dim=1).values
-    ids = torch.where(ids == width, -1, ids).to(torch.int32)
-    return torch.nn.functional.pad(ids, (0, k - ids.shape[1]), value=-1)
-
-
 def stable_decode_topk(backend=None):
     """``get_indexer_topk(backend)`` as ``stable_topk``: deterministic, so
     both sides pick the same ties (CUDA, the kernel-only shim)."""
@@ -209,11 +186,11 @@ def stable_decode_topk(backend=None):
 
 def contract_decode_topk(backend=None):
     """``get_indexer_topk(backend)`` where the select is compared with it:
-    ``select_contract``'s set, each row's valid ids reversed (stock's order
+    ``contract_topk``'s set, each row's valid ids reversed (stock's order
     is its own), so rows compare as sets."""
 
     def topk(logits, seq_lens, next_n, out, k, max_seq_len):
-        ids = select_contract(logits, seq_lens.reshape(-1).to(torch.int32), k)
+        ids = contract_topk(logits, seq_lens.reshape(-1).to(torch.int32), k)
         last = (ids >= 0).sum(1, keepdim=True) - 1
         flip = (last - torch.arange(k, device=ids.device)).clamp(min=0)
         out.copy_(torch.where(ids >= 0, ids.gather(1, flip), -1))
@@ -350,7 +327,7 @@ def twin(name: str, key, *args) -> None:
         out[below] = STOCK_UPCAST(logits, ends)[below]
     else:
         logits, ends, out = args
-        out.copy_(select_contract(logits, ends, key.k))
+        out.copy_(contract_topk(logits, ends, key.k))
 
 
 def any_device(names, *tensors, optional=()) -> None:
@@ -726,19 +703,24 @@ def build_stage(model: Model, registry, *, max_rows=None, select=False, warm=Tru
     """``model``'s stage as ``install()`` builds it and the JIT warmup turns
     it on: a ``KpoolStage`` added to ``registry`` (a ``StageRegistry``: the
     model's ``SPECIALIZED_KPOOL``) by its top-k buffer, then (``warm``) its
-    ``StageWarmup``, self-check off (it has its own tests): every key it
-    derives compiled, the stage's executors set. ``select``: ``kpool_select``'s
-    value."""
+    warmup, self-check off (it has its own tests): each of its kernels'
+    keys, then each kernel's compile, in the order vLLM's JIT warmup
+    registry takes them; the stage's executors set. ``select``:
+    ``kpool_select``'s value."""
     geo = model.sim.geo
     stage = stage_module.KpoolStage(
         model.attentions, geo.capacity if max_rows is None else max_rows,
         model.buffer.device, mx_scales=model.sim.backend.mx,
         select=select is not False, select_one_wave=select == "one_wave",
+        self_check="off",
     )  # fmt: skip
     registry.add(stage, model.buffer)
     model.stage, model.kpool = stage, registry
     if warm:
-        StageWarmup(stage, model.attentions, "off").warmup()
+        keyed = [(kernel, kernel.get_warmup_keys()) for kernel in stage.kernels]
+        for kernel, keys in keyed:
+            if keys:
+                kernel.compile_many(keys)
         assert stage.executors, "the stage's warmup compiled nothing"
 
 
@@ -820,7 +802,7 @@ STAND_INS = (
     "DeepGEMM's paged and ragged MQA logits, the prefill top-k, the K gather and "
     "the workspace: torch references (indexer_sim), both sides; the decode top-k: "
     "vLLM's torch reference on the CPU, a stable sort (ties to the lower pool) on "
-    "CUDA and in the kernel-only shim, select_contract's set with the select"
+    "CUDA and in the kernel-only shim, contract_topk's set with the select"
 )
 # Every run's summary line, for the test session's terminal summary.
 REPORTS: list[str] = []
@@ -852,7 +834,7 @@ class Config:
     # (FULL: padded batch, capture-time metadata; piecewise: padded rows).
     capture: bool = True
     hold_cycles: int = 0  # CUDA: each stream held back at each hand-off
-    # The opt-in select: stock's top-k is select_contract's set in another
+    # The opt-in select: stock's top-k is contract_topk's set in another
     # order, and the top-k rows compare as sets.
     select: bool = False
     full_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)  # requests

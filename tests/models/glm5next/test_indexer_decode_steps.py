@@ -92,9 +92,9 @@ def test_indexer_steps_cpu(monkeypatch, backend, mode):
 
 
 def test_indexer_steps_cpu_select(monkeypatch):
-    """The opt-in select: stock's top-k is ``select_contract``'s set (an
+    """The opt-in select: stock's top-k is ``contract_topk``'s set (an
     independent reference written from the select's contract) with each
-    row's ids reversed, the spied select computes ``select_contract``, and
+    row's ids reversed, the spied select computes ``contract_topk``, and
     the top-k rows compare as sets: the plumbing (the GPU runs compare the
     real select)."""
     report = Run(cpu_config("sm100", select=True), "cpu", monkeypatch).run()
@@ -227,7 +227,7 @@ def test_indexer_steps_two_stages(monkeypatch, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_indexer_steps_select(monkeypatch, backend, mode):
     """The opt-in select on the GPU, each backend path in each mode, streams
-    held back: stock's top-k is ``select_contract``'s set (an independent
+    held back: stock's top-k is ``contract_topk``'s set (an independent
     reference written from the select's contract, ties to the lower pool)
     with each row's ids reversed; the real select's rows compare with it as
     sets, every other byte as stock's."""

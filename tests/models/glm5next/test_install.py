@@ -5,6 +5,7 @@ switches on, what it logs, its JIT warmup registered) and the process's
 registry of stages, which gives each engine its own (CPU)."""
 
 import gc
+import inspect
 
 import pytest
 from indexer_sim import Backend, Geometry, Model, Sim, Step, assert_same, kernel_name
@@ -16,8 +17,11 @@ from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 from vllm.models.glm5next.nvidia import sparse_indexer
 from vllm.models.glm5next.nvidia.specialized_decode.config import SELF_CHECK_SEED_ENV
 from vllm.models.glm5next.nvidia.specialized_decode.runtime import install
+from vllm.models.glm5next.nvidia.specialized_decode.runtime.hook import (
+    KpoolHook,
+    KpoolLayerStep,
+)
 from vllm.models.glm5next.nvidia.specialized_decode.runtime.remap import FusedRemap
-from vllm.models.glm5next.nvidia.specialized_decode.runtime.warmup import StageWarmup
 from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120 import (
     FlashInferMLASparseSM120Impl,
 )
@@ -317,9 +321,11 @@ def test_install_fuses_an_impl_without_dcp_world_size(installed, make_config):
 
 def test_install_warms_up_before_planning(installed, make_config, monkeypatch):
     """With a model runner's JIT warmup registry active at model build, the
-    stage registers one ``StageWarmup`` with the deployment's self-check
-    mode and seed; the registry's warmup (after the KV caches are bound)
-    compiles its keys and gives the stage their executors."""
+    stage registers its own instance of each kernel, its warmup holding the
+    deployment's self-check mode and seed; the registry's warmup (after the
+    KV caches are bound) asks each for ``get_warmup_keys(vllm_config)``,
+    compiles them and gives the stage their executors once the last kernel
+    with keys compiled."""
     config = make_config()
     config.additional_config["specialized_decode_self_check"] = "off"
     monkeypatch.setenv(SELF_CHECK_SEED_ENV, "77")
@@ -327,18 +333,39 @@ def test_install_warms_up_before_planning(installed, make_config, monkeypatch):
     registry = JitWarmupRegistry(config)
     with registry.activate():
         stage = install.install(config, layers)
-    assert len(registry) == 1 and not stage.executors
-    [entry] = registry._registrations
-    assert isinstance(entry, StageWarmup) and entry.stage is stage
-    assert entry.self_check == "off" and entry.seed == 77
+    assert list(registry._registrations) == list(stage.kernels)
+    assert not stage.executors and not stage.planned()
+    assert all(kernel.stage is stage for kernel in stage.kernels)
+    assert stage.warmup.self_check == "off" and stage.warmup.seed == 77
     registry.warmup()
-    keys = StageWarmup(stage, layers).get_warmup_keys()
-    assert set(stage.executors) == {key for _, key in keys}
+    keys = [k for kernel in stage.kernels for k in kernel.get_warmup_keys(config)]
+    assert set(stage.executors) == set(keys)
     assert {kernel_name(key) for key in stage.executors} == {
         "update",
         "expand",
         "remap",
     }
+
+
+def test_the_hook_is_what_patch_0002_reads(installed, make_config):
+    """``SPECIALIZED_KPOOL`` after an install is a ``KpoolHook``, a stage's
+    ``LayerStep`` a ``KpoolLayerStep``, each method with the protocol's
+    parameters (the names patch 0002 passes by keyword)."""
+    from vllm.models.glm5next.nvidia.specialized_decode.runtime.stage import (
+        LayerStep,
+    )
+
+    stage = install.install(make_config(), attentions())
+    assert isinstance(sparse_indexer.SPECIALIZED_KPOOL, KpoolHook)
+    assert isinstance(LayerStep(stage, None), KpoolLayerStep)
+    for implemented, declared in (
+        (install.StageRegistry.decode_step, KpoolHook.decode_step),
+        (LayerStep.update, KpoolLayerStep.update),
+        (LayerStep.decode_rows, KpoolLayerStep.decode_rows),
+    ):
+        got = inspect.signature(implemented).parameters.values()
+        want = inspect.signature(declared).parameters.values()
+        assert [(p.name, p.kind) for p in got] == [(p.name, p.kind) for p in want]
 
 
 # --- The registry: one stage per model -----------------------------------------

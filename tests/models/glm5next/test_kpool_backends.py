@@ -28,7 +28,6 @@ from test_kpool_engagement import ENGAGEMENT
 from vllm.models.glm5next.nvidia.specialized_decode.runtime.remap import (
     why_not_fusable,
 )
-from vllm.models.glm5next.nvidia.specialized_decode.runtime.warmup import StageWarmup
 from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import (
     FlashInferMLASparseImpl,
 )
@@ -249,7 +248,7 @@ def steps_of(layout: str) -> list[Step]:
 @pytest.mark.parametrize("name", sorted(set(PATHS.values())))
 def test_warmup_keys_are_the_launch_keys(bench, backend_path, name):
     """For each path of the engagement matrix: the variants the stage's
-    warmup derives for the backend's layer (``StageWarmup.get_warmup_keys``)
+    warmup derives for the backend's layer (its kernels' ``get_warmup_keys``)
     are, kernel by kernel, the variants its planned decode steps launch.
 
     The steps: uniform rows of 1 to 4 tokens (SM90 native, SM100 varlen:
@@ -265,8 +264,9 @@ def test_warmup_keys_are_the_launch_keys(bench, backend_path, name):
     backend = Backend(path.cls, path.fp8, **path.attributes)
     b = bench(Step([4, 4, 4], [500, 500, 500], layout), mx=path.mx, impl=backend.impl)
     derived = {name: set() for name in KERNELS}
-    for kernel, key in StageWarmup(b.stage, b.engine.attentions).get_warmup_keys():
-        derived[kernel_name(key)].add(key)
+    for kernel in b.stage.kernels:
+        for key in kernel.get_warmup_keys():
+            derived[kernel_name(key)].add(key)
     assert b.spies.compiled == derived
     stock = Backend(path.cls, path.fp8, **path.attributes)
     for step in steps_of(layout):

@@ -185,10 +185,10 @@ def assert_same_sets(b, got) -> None:
 def test_select_opted_in(bench, references, step):
     """``kpool_select``: a deferring step's logits go to the select (no
     upcast, no stock top-k), its ascending pool ids to the fused remap.
-    Stock's top-k stand-in is ``indexer_sim.select_contract`` (written from
+    Stock's top-k stand-in is ``select_contract.contract_topk`` (written from
     the select's stated contract, not the product's reference) with each
     row's ids reversed, as stock's order is its own; the spied select
-    computes ``select_contract`` too (its GPU launches are compared with it
+    computes ``contract_topk`` too (its GPU launches are compared with it
     in the step runs). Every byte as stock's, the top-k rows as sets."""
     references(topk=contract_decode_topk)
     b = bench(step, select=True)

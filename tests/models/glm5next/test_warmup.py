@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``runtime/warmup.py``: the stage's JIT warmup entry (``StageWarmup``, a
-vLLM ``VllmJitKernel``), which gives the stage its executors only once its
-kernels compiled and (unless "off") passed the self-check, and otherwise
-leaves it off and says so ("strict": raises) (CPU; the self-check itself is
+"""``runtime/warmup.py``: the stage's JIT warmup (``StageWarmup``) through
+vLLM's registry, which gives the stage its executors only once its kernels
+compiled and (unless "off") passed the self-check, and otherwise leaves it
+off and says so ("strict": raises) (CPU; the self-check itself is
 ``specialized_decode``'s to test)."""
 
 import json
@@ -19,7 +19,7 @@ import pytest
 import torch
 from indexer_sim import KERNELS, Step, assert_same, kernel_name
 
-from vllm.model_executor.warmup.jit_warmup import VllmJitKernel
+from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 from vllm.models.glm5next.nvidia.specialized_decode import self_check
 from vllm.models.glm5next.nvidia.specialized_decode.config import SELF_CHECK_SEED_ENV
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
@@ -39,28 +39,51 @@ def warmup_lines(vllm_log):
     return [r for r in vllm_log.records if r.name == warmup.__name__]
 
 
-def test_warmup_entry(model):
-    """The registry protocol: the keys are (kernel, compile key) pairs of
-    ``deployment_values``; ``compile_many`` compiles them and ("off": no
-    self-check) gives the stage their executors, and only then does the
-    stage plan steps."""
+def warm(stage, mode: str = "off", seed=None) -> StageWarmup:
+    """The stage's warmup (``mode``, ``seed``) run by vLLM's JIT warmup
+    registry, as a model runner runs it."""
+    stage.warmup = StageWarmup(stage, stage.warmup.attentions, mode, seed)
+    registry = JitWarmupRegistry(None)
+    with registry.activate():
+        stage.warmup.register()
+    registry.warmup()
+    return stage.warmup
+
+
+def test_the_registry_compiles_the_stage_kernels_keys(model):
+    """Each of the stage's kernels gives the keys of ``deployment_values``
+    for its kind; the registry compiles them and ("off": no self-check) the
+    stage gets their executors, the public kernels' compiles, and only then
+    plans steps."""
     stage, attentions = model.stage, model.engine.attentions
-    entry = StageWarmup(stage, attentions, "off")
-    assert isinstance(entry, VllmJitKernel)
-    keys = entry.get_warmup_keys()
     want = {
-        (kernel, key)
+        key
         for kernel, values in warmup.deployment_values(stage, attentions)
         for key in kernel.get_warmup_keys(**values)
     }
+    keys = [key for kernel in stage.kernels for key in kernel.get_warmup_keys()]
     assert set(keys) == want and len(keys) == len(want)
-    assert {kernel_name(key) for _, key in keys} == {"update", "expand", "remap"}
+    assert {kernel_name(key) for key in keys} == {"update", "expand", "remap"}
     assert not stage.executors and not stage.planned()
-    entry.compile_many(keys)
-    assert set(stage.executors) == {key for _, key in keys}
-    for kernel, key in keys:
-        assert stage.executors[key] is kernel.executor(key)
+    warm(stage)
+    assert set(stage.executors) == want
+    for key in keys:
+        assert stage.executors[key] is KERNELS[kernel_name(key)].executor(key)
     assert (torch.int64, torch.int64) == (warmup.POSITIONS, warmup.SLOTS)
+
+
+def test_the_stage_waits_for_its_last_kernel(model):
+    """The stage gets no executor before its last kernel with keys compiled
+    (the registry compiles one kernel after another)."""
+    stage = model.stage
+    keyed = [(k, k.get_warmup_keys()) for k in stage.kernels]
+    keyed = [(k, keys) for k, keys in keyed if keys]
+    assert len(keyed) == 3
+    for kernel, keys in keyed[:-1]:
+        kernel.compile_many(keys)
+        assert not stage.executors
+    keyed[-1][0].compile_many(keyed[-1][1])
+    assert len(stage.executors) == sum(len(keys) for _, keys in keyed)
 
 
 @pytest.mark.parametrize(
@@ -82,18 +105,17 @@ def test_warmup_self_check(monkeypatch, model, vllm_log, mode, problem, on, leve
         return problem
 
     monkeypatch.setattr(self_check, "check", check)
-    entry = StageWarmup(model.stage, model.engine.attentions, mode, seed=77)
     failed = (
         f"GLM-5-Next specialized decode: self-check failed, {problem}; dsa_kpool "
         f"stays off and the decode runs stock (replay with {SELF_CHECK_SEED_ENV}=77)."
     )
     if on is None:
         with pytest.raises(RuntimeError) as error:
-            entry.compile_many(entry.get_warmup_keys())
+            warm(model.stage, mode, seed=77)
         assert str(error.value) == failed and not model.stage.executors
         return
-    entry.compile_many(entry.get_warmup_keys())
-    variants = len(entry.get_warmup_keys())
+    entry = warm(model.stage, mode, seed=77)
+    variants = len(entry.executors)
     assert bool(model.stage.executors) is on
     assert seen == [(variants, 77, torch.device("cpu"))]
     [record] = warmup_lines(vllm_log)
@@ -117,8 +139,7 @@ def test_self_check_seed_is_a_constant(monkeypatch, model, vllm_log):
         self_check, "check", lambda keys, seed, device: seeds.append(seed) or "bad"
     )
     for _ in range(2):
-        entry = StageWarmup(model.stage, model.engine.attentions)
-        entry.compile_many(entry.get_warmup_keys())
+        warm(model.stage, "on")
     assert seeds == [warmup.SEED, warmup.SEED] and not model.stage.executors
     record = warmup_lines(vllm_log)[-1]
     assert record.getMessage().endswith(
@@ -129,10 +150,10 @@ def test_self_check_seed_is_a_constant(monkeypatch, model, vllm_log):
 def failing(monkeypatch):
     """The update's compile fails (``no ptxas``)."""
 
-    def fail(compile_key):
+    def fail(kernel, compile_key):
         raise RuntimeError("no ptxas")
 
-    monkeypatch.setattr(KERNELS["update"], "executor", fail)
+    monkeypatch.setattr(type(KERNELS["update"]), "executor", fail)
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
@@ -140,8 +161,7 @@ def test_failed_warmup_leaves_the_stage_off(monkeypatch, model, vllm_log, mode):
     """A warmup that raises (here: a compile) leaves the stage off, logs an
     error with the traceback saying so, and the steps run stock."""
     failing(monkeypatch)
-    entry = StageWarmup(model.stage, model.engine.attentions, mode)
-    entry.compile_many(entry.get_warmup_keys())
+    warm(model.stage, mode)
     assert not model.stage.executors
     [record] = warmup_lines(vllm_log)
     assert record.levelno == logging.ERROR and record.exc_info is not None
@@ -156,9 +176,8 @@ def test_failed_warmup_leaves_the_stage_off(monkeypatch, model, vllm_log, mode):
 
 def test_failed_warmup_strict_raises(monkeypatch, model):
     failing(monkeypatch)
-    entry = StageWarmup(model.stage, model.engine.attentions, "strict")
     with pytest.raises(RuntimeError, match="no ptxas"):
-        entry.compile_many(entry.get_warmup_keys())
+        warm(model.stage, "strict")
     assert not model.stage.executors
 
 
@@ -175,7 +194,7 @@ def select_keys(rows: int, width: int) -> set:
 def test_select_keys_are_each_row_count_it_runs(width, max_rows, one_wave):
     """The select's keys are those of every row count from 1 to the stage's
     rows; with ``kpool_select="one_wave"`` of those whose clusters fit one
-    wave (``LayerStep.select`` runs no other): 1-66 rows at 65536 pools,
+    wave (``LayerStep.selected`` runs no other): 1-66 rows at 65536 pools,
     1-16 at 262144, on 132 SMs."""
     stage = SimpleNamespace(
         mx_scales=False, select=True, fuse=True, max_rows=max_rows, sms=132,

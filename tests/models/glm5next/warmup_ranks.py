@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """One tensor-parallel rank of ``test_warmup.py``'s multi-process warmups:
 vLLM's distributed state on the CPU (gloo, ``world`` ranks, one TP group),
-then one ``StageWarmup.compile_many`` per scenario of ``SCENARIOS`` in
+then one ``StageWarmup.compiled`` per scenario of ``SCENARIOS`` in
 order, each on a stage of its own. A scenario gives each rank's verdict at
 the self-check's seam (``self_check.check``, which needs a GPU) or makes a
 rank's compile raise. Prints one JSON line: per scenario, whether the stage
@@ -47,13 +47,15 @@ def run(rank: int, mode: str, fails, raises) -> dict:
             return f"UpcastKernel case 3 (seed {seed + 3}) differs from stock: key"
         return None
 
-    def executor(key):
-        if rank in raises:
-            raise RuntimeError("no ptxas")
-        return f"executor of {key}"
+    class Kernel:
+        def executor(self, key):
+            if rank in raises:
+                raise RuntimeError("no ptxas")
+            return f"executor of {key}"
 
     self_check.check = check
-    stage = SimpleNamespace(executors={}, pool_buffer=torch.zeros(1))
+    kernel = Kernel()
+    stage = SimpleNamespace(executors={}, pool_buffer=torch.zeros(1), kernels=[kernel])
     entry = warmup.StageWarmup(stage, [], mode)
     lines = Lines()
     logger = logging.getLogger(warmup.__name__)
@@ -61,7 +63,7 @@ def run(rank: int, mode: str, fails, raises) -> dict:
     logger.setLevel(logging.INFO)  # whatever VLLM_LOGGING_LEVEL says
     raised = None
     try:
-        entry.compile_many([(SimpleNamespace(executor=executor), "key")])
+        entry.compiled(kernel, ["key"])
     except Exception as error:
         raised = f"{type(error).__name__}: {error}"
     logger.removeHandler(lines)

@@ -12,6 +12,7 @@ import secrets
 from collections.abc import Callable
 
 import torch
+from draws import about
 
 FUZZ_REPORT: list[str] = []
 
@@ -78,7 +79,7 @@ def launch_case(kernel, case) -> str | None:
     out = case.arguments.get("out")
     if problem is None and out is not None and got is not out:
         problem = "the launch did not return out"
-    return None if problem is None else f"{case.about}: {problem}"
+    return None if problem is None else f"{about(case)}: {problem}"
 
 
 def stage_with(kernel, keys, device="cuda", mx_scales=True):

@@ -25,6 +25,7 @@ import random
 import re
 from typing import Any, NamedTuple
 
+import draws
 import pytest
 import torch
 from rule_layouts import LAYOUTS, contiguous, like, span
@@ -138,7 +139,11 @@ def base_case(kernel) -> cases.Case:
     key = kernel.dispatch(**KEYS[kernel])
     gen = torch.Generator("cuda" if torch.cuda.is_available() else "cpu")
     gen.manual_seed(seed)
-    return cases.CASES[kernel](random.Random(seed), gen, key, **extra)
+    with draws.stock_scales(key.mx_scales) if kernel is update.UPDATE else nothing():
+        return cases.CASES[kernel](random.Random(seed), gen, key, **extra)
+
+
+nothing = contextlib.nullcontext
 
 
 def landmarks(kernel, a: dict) -> list[int]:
@@ -156,7 +161,7 @@ def landmarks(kernel, a: dict) -> list[int]:
     if kernel is upcast.UPCAST:
         return [a["logits"].shape[0]]
     if kernel is select.SELECT:
-        return [a["logits"].shape[0], a["k"], cases.SELECT_WIDEST]
+        return [a["logits"].shape[0], a["k"], draws.SELECT_WIDEST]
     return []
 
 

@@ -11,6 +11,7 @@ their random bytes), both length arithmetics (``int32_lengths``: against
 stock's decode as written, ``positions.to(torch.int32) + 1``), and
 ``KpoolStage.expand`` at the rule's edges."""
 
+import draws
 import pytest
 import torch
 from kernel_ptx import ARCHS, compile_ptx, length_arithmetic, ops, waits_once
@@ -133,7 +134,7 @@ def test_expand_matches_stock():
     fuzz(
         "expand_pools",
         1500,
-        lambda rng, gen: launch_case(EXPAND, cases.expand_case(rng, gen)),
+        lambda rng, gen: launch_case(EXPAND, draws.expand_case(rng, gen)),
     )
 
 

@@ -5,10 +5,11 @@
 the public functions (``kpool.py``), which raise the rule's refusal word for
 word before anything compiles; ``kernel_launcher``, which compiles a key on
 first use and never inside a CUDA graph capture; empty inputs, which launch
-nothing; ``KpoolStage.launch`` / ``prepare``, which launch only a key the
-stage's own warmup put in ``stage.executors`` (not one a public function
-compiled); the keys the warmup lists, which are the keys ``spec`` derives;
-and the guard table of docs/reference.md, which is the rules'.
+nothing; a stage's own kernel instances (``KpoolStage.kernels``), whose
+``serve`` launches only a key the stage's own warmup put in
+``stage.executors`` (not one a public function compiled); the keys the
+warmup lists, which are the keys ``spec`` derives; and the guard table
+of docs/reference.md, which is the rules'.
 
 CPU: the compiles go to a recorder in place of vLLM's ``compile_cutedsl``
 (where a compile leaves Python for the CuTe DSL compiler), over kernels
@@ -21,6 +22,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import draws
 import pytest
 import torch
 from rule_edges import KEYS, allow_cpu, answer, edges, like, on_cuda, valid
@@ -28,6 +30,7 @@ from rule_edges import KEYS, allow_cpu, answer, edges, like, on_cuda, valid
 from vllm.model_executor.warmup import jit_warmup_cutedsl_helper
 from vllm.models.glm5next.nvidia.specialized_decode import cases, kpool
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common import host
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common.host import STOCK
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand.launch import (
     EXPAND,
 )
@@ -46,12 +49,11 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.update.launch import
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.update.launch import (
     UPDATE,
 )
-from vllm.models.glm5next.nvidia.specialized_decode.runtime.stage import (
-    STOCK,
-    KpoolStage,
-)
+from vllm.models.glm5next.nvidia.specialized_decode.runtime.stage import KpoolStage
 
 KERNELS = [UPDATE, EXPAND, REMAP, UPCAST, SELECT]
+DRAWS = {UPDATE: draws.update_case, EXPAND: draws.expand_case}
+DRAWS |= {REMAP: draws.remap_case, UPCAST: draws.upcast_case}
 IDS = ["update", "expand", "remap", "upcast", "select"]
 REPO = Path(__file__).resolve().parents[4]
 
@@ -250,8 +252,7 @@ def test_empty_inputs_launch_nothing(compiles, kernel):
     assert compiles == [] and got is (out if kernel in RETURN_OUT else None)
     stage = KpoolStage([], 8, "cpu", mx_scales=True)
     stage.executors = {key: Recorder()}
-    assert stage.launch(kernel, **a) is out
-    stage.prepare(kernel, **a)()
+    assert of_stage(stage, kernel).serve(**a) is out
     assert stage.executors[key].calls == [] and compiles == []
 
 
@@ -273,27 +274,33 @@ def test_no_compile_inside_a_capture(compiles, monkeypatch, kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=IDS)
 def test_stage_launches_only_its_own_executors(compiles, kernel):
-    """``KpoolStage.launch`` / ``prepare`` launch a key only with the
-    executor in ``stage.executors`` (its warmup's): a key a public function
-    compiled (in the kernel's process-wide cache) is STOCK to the stage; a
-    refused input is STOCK whatever the stage holds."""
+    """A stage's kernel launches a key only with the executor in
+    ``stage.executors`` (its warmup's): a key a public function compiled (in
+    the kernel's process-wide cache) is STOCK to the stage, and it compiles
+    nothing; a refused input is STOCK whatever the stage holds."""
     a = own(valid(kernel))
     key, args, out = kernel.spec(**a)
     public(kernel, a)()
     [compiled] = compiles
     stage = KpoolStage([], 8, "cpu", mx_scales=True)
-    assert stage.launch(kernel, **a) is STOCK and stage.prepare(kernel, **a) is None
+    served = of_stage(stage, kernel)
+    assert served.serve(**a) is STOCK and len(compiles) == 1
     mine = Recorder()
     stage.executors = {key: mine}
-    assert stage.launch(kernel, **a) is out
-    stage.prepare(kernel, **a)()
-    assert len(mine.calls) == 2 and len(compiled.calls) == 1
+    assert served.serve(**a) is out
+    assert len(mine.calls) == 1 and len(compiled.calls) == 1
     assert all(x is y for x, y in zip(mine.calls[0], args, strict=True))
     refused = next(
         e for e in edges(kernel) if e.kind == "type" and e.name.endswith("list")
     )
-    assert stage.launch(kernel, **refused.arguments) is STOCK
-    assert stage.prepare(kernel, **refused.arguments) is None and len(mine.calls) == 2
+    assert served.serve(**refused.arguments) is STOCK and len(mine.calls) == 1
+
+
+def of_stage(stage, kernel):
+    """``stage``'s own instance of ``kernel``."""
+    [mine] = [k for k in stage.kernels if type(k) is type(kernel)]
+    assert mine is not kernel and mine.stage is stage
+    return mine
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=IDS)
@@ -391,7 +398,6 @@ def test_warmup_fakes_describe_drawn_arguments(kernel):
     buffers: their base pointers aligned; the least-aligned arguments the
     rules take are the next test's). (On the GPU TVM-FFI refuses arguments
     that do not fit; the CPU cannot launch, so this is where it shows.)"""
-    draw = cases.CASES[kernel]
     problems = []
     for seed in range(4):
         rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -401,11 +407,11 @@ def test_warmup_fakes_describe_drawn_arguments(kernel):
             key = SELECT.dispatch(
                 k=64, dtype=dtype, rows=shape[0], width=shape[1], sms=8
             )
-            case = draw(rng, gen, key, sms=8)
+            case = cases.select_case(rng, gen, key, sms=8)
         else:
-            case = draw(rng, gen)
+            case = DRAWS[kernel](rng, gen)
         found = fakes_differ(kernel, case.arguments)
-        problems += [f"seed {seed} ({case.about}): {p}" for p in found]
+        problems += [f"seed {seed} ({draws.about(case)}): {p}" for p in found]
     assert problems == []
 
 
@@ -516,18 +522,18 @@ def _attention(mx_page=64):
 
 
 def test_stage_warmup_keys_are_what_spec_derives():
-    """``StageWarmup`` lists, for a layer, the keys ``spec`` derives for
+    """A stage's kernels list, for a layer, the keys ``spec`` derives for
     the arguments a planned step hands the kernels: the update of the
     layer's caches with the indexer's int32 positions and int64 slots, the
     expansion of the runner's int64 positions as int32 (stock's decode),
     the upcast of MX-scaled BF16 logits."""
-    from vllm.models.glm5next.nvidia.specialized_decode.runtime.warmup import (
-        StageWarmup,
-    )
-
     attn = _attention()
     stage = KpoolStage([attn], 8, "cpu", mx_scales=True)
-    listed = [(k.kernel, k.key) for k in StageWarmup(stage, [attn]).get_warmup_keys()]
+    listed = [
+        (public, key)
+        for public, kernel in zip(KERNELS, stage.kernels, strict=True)
+        for key in kernel.get_warmup_keys()
+    ]
     kv, tail = attn.indexer.k_cache.kv_cache, attn.indexer.tail_cache.kv_cache
     rows = torch.zeros(3, 1, 128, dtype=torch.bfloat16)
     i64 = torch.zeros(3, 1, dtype=torch.int64)

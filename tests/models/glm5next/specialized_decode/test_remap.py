@@ -14,6 +14,7 @@ fuzz loop over ``cases.remap_case`` (the whole output and counts buffers,
 rows past the outputs included), and ``FusedRemap`` of a real index group
 at the rule's edges."""
 
+import draws
 import pytest
 import torch
 from kernel_ptx import ARCHS, compile_ptx, length_arithmetic, ops, waits_once
@@ -217,7 +218,7 @@ def test_remap_matches_stock():
     fuzz(
         "expand_and_remap",
         1500,
-        lambda rng, gen: launch_case(REMAP, cases.remap_case(rng, gen)),
+        lambda rng, gen: launch_case(REMAP, draws.remap_case(rng, gen)),
     )
 
 

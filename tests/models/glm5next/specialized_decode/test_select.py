@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``cutedsl/select``: ``SELECT`` (``select_topk``, the opt-in select)
-against its contract, computed here from the contract alone
-(``contract_topk``), and against vLLM's own decode top-k.
+against its contract, computed from the contract alone
+(``select_contract.contract_topk``), and against vLLM's own decode top-k.
 
 The contract (``select/kernel.py``): per row the columns below
 ``clamp(end, 0, width)``; if ``end <= k``: ``0..end-1`` then -1; else
@@ -23,8 +23,11 @@ attention over the select's order; with ``KPOOL_STOCK_TOPK_SO``, vLLM
 the threshold, and the NaN rows measured."""
 
 import random
+import sys
 from collections import Counter
+from pathlib import Path
 
+import draws
 import pytest
 import torch
 from kernel_ptx import compile_ptx, ops, resources
@@ -56,43 +59,15 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import
     slice_capacity,
 )
 
+# select_contract.py (one directory up: the simulator's too).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from select_contract import contract_topk, order_key  # noqa: E402
+
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 K = 512  # GLM-5-Next's index_topk 2048 / index_kpool 4
 WIDEST = 16 * 53248
 
 # --- The contract -------------------------------------------------------------------
-
-
-def order_key(logits: torch.Tensor) -> torch.Tensor:
-    """int64 totalOrder keys from the signed bits: ``b + 2^(n-1)`` for a
-    positive sign, ``-1 - b`` (every bit of ``b`` flipped) for a negative
-    one."""
-    bits = logits.view(torch.int32 if logits.dtype == F32 else torch.int16).long()
-    return torch.where(
-        bits < 0, -1 - bits, bits + (1 << (8 * logits.element_size() - 1))
-    )
-
-
-def contract_topk(logits: torch.Tensor, ends: torch.Tensor, k: int) -> torch.Tensor:
-    """The contract by threshold: the k-th largest key ``T`` of each long
-    row (``kthvalue``), its keys above ``T``, then its first columns equal
-    to ``T`` while fewer than ``k`` are taken."""
-    rows, width = logits.shape
-    device = logits.device
-    end = ends[:rows].long().clamp(0, width)
-    columns = torch.arange(width, device=device)
-    keys = torch.where(columns[None, :] < end[:, None], order_key(logits), -1)
-    slots = torch.arange(k, device=device)
-    out = torch.where(slots[None, :] < end[:, None], slots[None, :], -1)
-    long = (end > k).nonzero().view(-1)
-    if long.numel():
-        row_keys = keys[long]
-        threshold = torch.kthvalue(row_keys, width - k + 1, dim=1).values[:, None]
-        above, tied = row_keys > threshold, row_keys == threshold
-        need = k - above.sum(1, keepdim=True)
-        taken = above | (tied & (tied.cumsum(1) <= need))
-        out[long] = taken.nonzero()[:, 1].view(-1, k)
-    return out.to(I32)
 
 
 def straddles(logits: torch.Tensor, ends: torch.Tensor, k: int) -> torch.Tensor:
@@ -211,11 +186,11 @@ def test_select_reference_is_the_contract(dtype, k, width):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_select_reference_on_drawn_cases(seed):
-    """... and on what ``cases.select_case`` draws (its expected rows are
+    """... and on what ``draws.select_case`` draws (its expected rows are
     ``select_reference``'s; the buffer's other bytes are the random ones it
     starts with)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    case = cases.select_case(rng, gen, sms=SMS)
+    case = draws.select_case(rng, gen, SMS)
     logits, ends, k = (case.arguments[n] for n in ("logits", "ends", "k"))
     rows = logits.shape[0]
     assert torch.equal(case.expected[0][:rows, :k], contract_topk(logits, ends, k))
@@ -455,16 +430,16 @@ def _check(case, clusters: Counter, allocate: bool) -> str | None:
     want = case.expected[0].clone()
     want[:rows, :k] = contract_topk(logits, ends, k)
     if not torch.equal(want, case.expected[0]):
-        return f"{case.about}: select_reference differs from the contract"
+        return f"{draws.about(case)}: select_reference differs from the contract"
     got = SELECT(**case.arguments)
     torch.cuda.synchronize()
     if got is not case.arguments["out"] or not torch.equal(case.written[0], want):
         bad = (case.written[0] != want).any(1).nonzero().view(-1)
-        return f"{case.about}: rows {bad[:8].tolist()} differ"
+        return f"{draws.about(case)}: rows {bad[:8].tolist()} differ"
     if allocate:
         made = SELECT(logits=logits, ends=ends, k=k)
         if made.shape != (rows, k) or not torch.equal(made, want[:rows, :k]):
-            return f"{case.about}: the allocated output differs"
+            return f"{draws.about(case)}: the allocated output differs"
     return None
 
 
@@ -482,9 +457,12 @@ def test_select_matches_the_contract():
     drawn = [0]
 
     def check(rng, gen):
-        key = firsts[drawn[0]] if drawn[0] < len(firsts) else None
+        first = firsts[drawn[0]] if drawn[0] < len(firsts) else None
         drawn[0] += 1
-        case = cases.select_case(rng, gen, key, sms=sms)
+        if first is None:
+            case = draws.select_case(rng, gen, sms)
+        else:
+            case = cases.select_case(rng, gen, first, sms=sms)
         return _check(case, clusters, rng.random() < 0.1)
 
     try:

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import draws
 import pytest
 import torch
 from rule_edges import KEYS, SEEDS, SMS, allow_cpu
@@ -56,6 +57,15 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.update.launch import
 CPU = torch.device("cpu")
 # indexer_sim (the step simulator, one directory up) for its stock twins.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def check(executors: dict, seed: int, cases: int, device=CPU) -> str | None:
+    """``self_check.check`` with ``cases`` cases of each key."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(self_check, "CASES", cases)
+        return self_check.check(executors, seed, device)
+
+
 # The expansion of lengths in their own dtype (the stock call the case's
 # expected bytes come from).
 KEY = EXPAND.dispatch(groups=100, seq_lens_dtype=torch.int64, int32_lengths=False)
@@ -77,14 +87,17 @@ def changed(pool_ids, seq_lens, out, seq_offset):
 
 @pytest.fixture
 def on_cpu(monkeypatch):
+    """The rules take CPU tensors, the SMs are ``SMS``, and stock's update
+    writes the scales of ``KEYS[UPDATE]`` (as a process whose stage has
+    them)."""
     monkeypatch.setattr(self_check, "sm_count", lambda index: SMS)
-    with allow_cpu():
+    with allow_cpu(), draws.stock_scales(KEYS[UPDATE]["mx_scales"]):
         yield
 
 
 def test_stock_bytes_pass(on_cpu):
     """An executor that writes stock's bytes passes every case."""
-    assert self_check.check({KEY: stock_expansion}, 20, CPU, cases=6) is None
+    assert check({KEY: stock_expansion}, 20, 6) is None
 
 
 class Drawn:
@@ -168,12 +181,12 @@ def test_one_byte_of_one_buffer_is_caught(drawn, kernel, buffer):
     it writes (the others right), is reported with the case's number and
     seed; the same executor without the change passes."""
     key, seed = kernel.dispatch(**KEYS[kernel]), SEEDS[kernel]
-    assert self_check.check({key: drawn.stock()}, seed, CPU, cases=1) is None
+    assert check({key: drawn.stock()}, seed, 1) is None
 
     def corrupt(number, case):
         flip_byte(case.written[buffer], -1)
 
-    problem = self_check.check({key: drawn.stock(corrupt)}, seed, CPU, cases=1)
+    problem = check({key: drawn.stock(corrupt)}, seed, 1)
     name = type(kernel).__name__
     assert problem == f"{name} case 0 (seed {seed}) differs from stock: {key}"
 
@@ -211,13 +224,13 @@ def test_the_printed_seed_replays_the_case(drawn, kernel, at):
         if number == at:
             flip_byte(case.written[0], -1)
 
-    problem = self_check.check({key: drawn.stock(corrupt)}, seed, CPU, cases=at + 1)
+    problem = check({key: drawn.stock(corrupt)}, seed, at + 1)
     pattern = rf"\w+ case {at} \(seed (\d+)\) differs from stock: .+"
     match = re.fullmatch(pattern, problem or "")
     assert match, problem
     failing, expected = drawn.inputs[at], drawn.cases[at].expected
     stock = drawn.stock(corrupt_last_byte)
-    replay = self_check.check({key: stock}, int(match[1]), CPU, cases=1)
+    replay = check({key: stock}, int(match[1]), 1)
     assert replay == problem.replace(f"case {at} ", "case 0 ")
     again = drawn.inputs[-1]
     assert [n for n in failing if not same(failing[n], again[n])] == []
@@ -262,7 +275,7 @@ def test_a_kernel_that_skips_writing_zeros_is_caught(drawn, kernel):
     key = kernel.dispatch(**KEYS[kernel])
     name = type(kernel).__name__
     for seed in range(20):
-        problem = self_check.check({key: skips_zeros(drawn)}, seed, CPU, cases=1)
+        problem = check({key: skips_zeros(drawn)}, seed, 1)
         if zeros_over_other_bytes(drawn.cases[-1], drawn.before[-1]):
             break
         assert problem is None, seed
@@ -282,7 +295,8 @@ def test_each_written_buffer_has_expected_bytes_of_its_own(kernel):
     extra = {"sms": SMS} if kernel is SELECT else {}
     seed, key = SEEDS[kernel], kernel.dispatch(**KEYS[kernel])
     gen = torch.Generator().manual_seed(seed)
-    case = cases.CASES[kernel](random.Random(seed), gen, key, **extra)
+    with draws.stock_scales(KEYS[UPDATE]["mx_scales"]):
+        case = cases.CASES[kernel](random.Random(seed), gen, key, **extra)
     assert len(case.written) == len(case.expected)
     for got, want in zip(case.written, case.expected, strict=True):
         ptr = want.untyped_storage().data_ptr()
@@ -311,7 +325,7 @@ def test_stock_twins_on_the_launch_arguments_pass(on_cpu, kernel):
     twin writes no column past the width, where a row end in the padding
     has stock convert too.)"""
     key = kernel.dispatch(**KEYS[kernel])
-    assert self_check.check({key: stock_twin(key)}, SEEDS[kernel], CPU, cases=2) is None
+    assert check({key: stock_twin(key)}, SEEDS[kernel], 2) is None
 
 
 def test_special_values_are_the_specials_bit_for_bit():
@@ -374,7 +388,7 @@ def test_cases_of_another_key_are_reported_not_launched(drawn):
     that without launching the executor."""
     key = SELECT.CompileKey(512, torch.float32, CLUSTERS[-1], CAPACITIES[0])
     launched = []
-    problem = self_check.check({key: lambda *a: launched.append(a)}, 3, CPU, cases=1)
+    problem = check({key: lambda *a: launched.append(a)}, 3, 1)
     [case] = drawn.cases
     with allow_cpu():
         derived = SELECT.spec(**case.arguments)[0]
@@ -390,7 +404,7 @@ def test_an_executor_that_writes_nothing_is_caught(on_cpu, kernel):
     """Every kernel's cases compare what it writes: an executor that
     writes nothing differs from stock (the base case's seed: rows)."""
     key = kernel.dispatch(**KEYS[kernel])
-    problem = self_check.check({key: lambda *args: None}, SEEDS[kernel], CPU, cases=1)
+    problem = check({key: lambda *args: None}, SEEDS[kernel], 1)
     name = type(kernel).__name__
     assert problem == f"{name} case 0 (seed {SEEDS[kernel]}) differs from stock: {key}"
 
@@ -398,7 +412,7 @@ def test_an_executor_that_writes_nothing_is_caught(on_cpu, kernel):
 def test_a_refused_case_is_reported():
     """A case the kernel's rule refuses (here: CPU tensors, which the real
     device check refuses) is reported, not launched."""
-    problem = self_check.check({KEY: changed}, 20, CPU, cases=1)
+    problem = check({KEY: changed}, 20, 1)
     assert problem == (
         "ExpandKernel case 0 (seed 20): refused: pool_ids: expected a CUDA "
         "tensor, got a tensor on cpu"
@@ -435,7 +449,7 @@ def test_self_check_on_this_gpu():
     device = torch.device("cuda", torch.cuda.current_device())
     keys = deployment_keys(sm_count(device.index))
     executors = {key: kernel.executor(key) for kernel, key in keys}
-    self_check.check(executors, 0, device, cases=2)  # the stock kernels compile
+    check(executors, 0, 2, device)  # the stock kernels compile
     torch.cuda.synchronize()
     started = time.perf_counter()
     problem = self_check.check(executors, 99, device)

@@ -10,6 +10,7 @@ wrote below each row end, past the width into the row padding where an end
 lies there, and the random bytes everywhere else), the output it allocates,
 and ``KpoolStage.upcast`` at the rule's edges."""
 
+import draws
 import pytest
 import torch
 from kernel_ptx import ARCHS, compile_ptx, ops, waits_once
@@ -21,7 +22,6 @@ from rule_edges import (
     shape_disagreements,
 )
 
-from vllm.models.glm5next.nvidia.specialized_decode import cases
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.upcast.launch import (
     UPCAST,
 )
@@ -112,7 +112,7 @@ def _allocated(case) -> str | None:
 @pytest.mark.gpu
 def test_upcast_matches_stock():
     def check(rng, gen):
-        case = cases.upcast_case(rng, gen)
+        case = draws.upcast_case(rng, gen)
         problem = launch_case(UPCAST, case)
         if problem is None and rng.random() < 0.1:
             problem = _allocated(case)

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import draws
 import pytest
 import torch
 from kernel_ptx import ARCHS, compile_ptx, constants, ops, waits_once
@@ -34,7 +35,6 @@ from rule_edges import (
     shape_disagreements,
 )
 
-from vllm.models.glm5next.nvidia.specialized_decode import cases
 from vllm.models.glm5next.nvidia.specialized_decode.constants import DIM, POOL
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.update.launch import (
     TENSORS,
@@ -243,7 +243,7 @@ def test_update_matches_stock():
     fuzz(
         "kpool_update",
         1000,
-        lambda rng, gen: launch_case(UPDATE, cases.update_case(rng, gen)),
+        lambda rng, gen: launch_case(UPDATE, draws.update_case(rng, gen)),
     )
 
 

@@ -12,7 +12,7 @@ kpool sparse indexer's decode path, enabled by
   launch); ``cutedsl/common/``: device helpers and the shared host side;
 - ``runtime/``: the stage (``stage.py``: routing and state;
   ``steps.py``: planned steps; ``remap.py``: the fused conversion), its
-  installation and JIT warmup;
+  installation and JIT warmup, and ``hook.py``: what patch 0002 calls;
 - ``cases.py`` and ``self_check.py``: the kernels' randomized cases and the
   warmup's check against the stock kernels.
 """

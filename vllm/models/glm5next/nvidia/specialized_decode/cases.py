@@ -1,10 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Randomized inputs of each kpool kernel and what its stock twin makes of
-them: the one place the kernels' edge values and layouts are drawn. The
-warmup self-check draws them in one compile key's layout (the deployment's);
-the GPU tests draw the key too (``*_case(rng, gen)``), from few layouts, so
-that a run compiles few variants.
+"""The self-check's cases: randomized inputs of each kpool kernel in one
+compile key's layout, and what its stock twin makes of them; the one place
+the kernels' edge values are drawn (the GPU tests draw keys and take their
+cases from here).
 
 A ``Case`` holds the kernel's keyword arguments, every buffer the kernel may
 write (whole: rows and columns past its outputs included; the outputs filled
@@ -12,8 +11,8 @@ with random bytes first, ``poisoned``; the update's cache random bytes and its
 tail ring random BF16 values, which the kernel also reads), and copies of
 those buffers as the stock twin leaves them (computed when the case is drawn,
 before any launch; where stock leaves memory unwritten, only what it wrote is
-read). The opt-in select has no stock twin of the same
-bytes: its expected rows are its contract (``select_reference``)."""
+read). The opt-in select has no stock twin of the same bytes: its expected
+rows are its contract (``select_reference``)."""
 
 import random
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from .constants import DIM, INT32_MAX, POOL
 from .cutedsl.expand.launch import EXPAND
 from .cutedsl.remap.launch import REMAP
 from .cutedsl.select.kernel import CAPACITIES, VECTOR
-from .cutedsl.select.launch import CLUSTERS, SELECT, cluster_for, slice_capacity
+from .cutedsl.select.launch import SELECT, cluster_for, slice_capacity
 from .cutedsl.upcast.kernel import GROUP_ROWS, TILE
 from .cutedsl.upcast.launch import UPCAST
 from .cutedsl.update.launch import UPDATE
@@ -45,7 +44,6 @@ SPECIALS = (
     *(0x7F7F0000, 0xFF7F0000, 0x7F61B1E6, 0x3F800000, 0xBF800000),
 )
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
-INDICES = (torch.int32, torch.int64)
 
 
 @dataclass
@@ -53,7 +51,6 @@ class Case:
     arguments: dict
     written: tuple[torch.Tensor, ...]
     expected: tuple[torch.Tensor, ...]
-    about: str = ""  # the drawn shapes and edges, for a failure message
 
 
 def special_values(dtype: torch.dtype, device) -> torch.Tensor:
@@ -86,10 +83,6 @@ def poisoned(shape, dtype, gen) -> torch.Tensor:
 
 # --- kpool_update ---------------------------------------------------------------
 
-# (ring, page, page padding bytes, half and block padding elements): 12 and
-# 48 are not powers of two.
-LAYOUTS = ((4, 64, 0, 0, 0), (8, 16, 16, 0, 0), (16, 32, 4, 8, 512))
-LAYOUTS += ((12, 48, 8, 4, 128),)
 # How a request's keys and scores are drawn: ordinary, FP8 saturation, the
 # 1e-4 amax floor, zeros, ties across the pool members (the stashed ones
 # too), softmax underflow, each token its own magnitude, FP32 overflow of
@@ -104,18 +97,6 @@ EDGES = {"none": 7, "inf key": 1, "overflow": 1, "far": 1}
 # A request's first position: small, at the int32 edge, beyond it (int64).
 STARTS = ((0, 5000), (2**31 - 6, 2**31 - 1), (2**32 - 3, 2**32 + 9))
 STARTS += ((2**40, 2**40 + 99),)
-
-
-def update_key(rng: random.Random):
-    """A cache layout of ``LAYOUTS``, a scale format (MX, whose rounding
-    round_scale=False cannot turn off, or FP32 scales rounded or not), the
-    index dtypes."""
-    ring, page, page_pad, half_pad, block_pad = rng.choice(LAYOUTS)
-    half = ring * DIM + half_pad
-    layout = (ring, page, page * (DIM + 4) + page_pad, 2 * half + block_pad, half)
-    scales = (rng.random() < 0.5, rng.random() < 0.5)
-    index, positions = rng.choice(INDICES), rng.choice(INDICES)
-    return UPDATE.CompileKey(*layout, *scales, index, index, positions)
 
 
 def _update_values(modes, shape, edge, rng, gen):
@@ -143,14 +124,20 @@ def _update_values(modes, shape, edge, rng, gen):
     return [torch.where(special, specials(v, 0.05, gen), v) for v in pairs]
 
 
-def update_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
-    """A decode step's tail update in ``key``'s cache layout (drawn if
-    None): 1-256 requests of 1-4 tokens, each request in one of ``MODES``,
-    one of ``EDGES``; positions from ``STARTS``, padding requests (-1) and
+def update_case(rng: random.Random, gen: torch.Generator, key) -> Case:
+    """A decode step's tail update in ``key``'s cache layout: 1-256
+    requests of 1-4 tokens, each request in one of ``MODES``, one of
+    ``EDGES``; positions from ``STARTS``, padding requests (-1) and
     tokens (-1..-3); tail slots -1 (block 0, no request's, is read then);
     slot writes on pool completions and some on other tokens (ignored);
-    specials in the tail ring and APE; keys a view of wider rows."""
-    key = key or update_key(rng)
+    specials in the tail ring and APE; keys a view of wider rows. Stock
+    writes the scales of this process (``mqa_logits_use_mx_scales``), the
+    key's (a deployment's stage reads them at install)."""
+    if key.mx_scales != kpool_compress.mqa_logits_use_mx_scales():
+        raise ValueError(
+            f"key: expected mx_scales={kpool_compress.mqa_logits_use_mx_scales()} "
+            f"(this process's scales, which stock writes), got {key.mx_scales}"
+        )
     device = gen.device
     g = dict(generator=gen, device=device)
     requests = rng.choice([1, 2, 3, 8, 31, 64, 128, 255, 256, rng.randint(1, 256)])
@@ -205,18 +192,12 @@ def update_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
     arguments |= dict(pool_size=POOL, head_dim=DIM, round_scale=key.round_scale)
     cache_view = ((pages, key.page, DIM + 4), (key.page_bytes, DIM + 4, 1))
     want = (cache.clone(), tail.clone())
-    stock_mx = kpool_compress.mqa_logits_use_mx_scales
-    kpool_compress.mqa_logits_use_mx_scales = lambda: key.mx_scales
-    try:
-        kpool_compress.kpool_decode_update_and_maybe_write_cache_batched(
-            want[0].as_strided(*cache_view), want[1].as_strided(*tail_view), **arguments
-        )
-    finally:
-        kpool_compress.mqa_logits_use_mx_scales = stock_mx
+    kpool_compress.kpool_decode_update_and_maybe_write_cache_batched(
+        want[0].as_strided(*cache_view), want[1].as_strided(*tail_view), **arguments
+    )
     arguments |= dict(kv_cache=cache.as_strided(*cache_view), mx_scales=key.mx_scales)
     arguments["tail_kv_cache"] = tail.as_strided(*tail_view)
-    about = f"{requests}x{tokens} from {low}, modes {sorted(set(modes))}, edge {edge}"
-    return Case(arguments, (cache, tail), want, about)
+    return Case(arguments, (cache, tail), want)
 
 
 # --- expand_pools ---------------------------------------------------------------
@@ -256,18 +237,10 @@ def lengths(rows: int, dtype, gen) -> torch.Tensor:
     return values.to(dtype)
 
 
-def expand_key(rng: random.Random):
-    """Pool counts that are zero, odd, GLM-5-Next's 512, the most (1024),
-    any; both lengths dtypes and arithmetics."""
-    groups = rng.choice([0, 1, 31, 32, 100, 512, 1024, rng.randint(1, 1024)])
-    return EXPAND.CompileKey(groups, rng.choice(INDICES), rng.random() < 0.5)
-
-
-def expand_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
+def expand_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     """Pool ids (some a column slice of a wider buffer) expanded into a row
     slice of a wider buffer; ``int32_lengths`` against stock's decode as
     written (``positions.to(torch.int32) + 1``) at offset 1."""
-    key = key or expand_key(rng)
     rows = rng.choice([0, 1, 2, 7, 8, 64, 128, 256, rng.randint(1, 256)])
     cols = key.groups * POOL + POOL - 1
     width = cols + rng.choice([0, 1, 5, 128])
@@ -288,37 +261,17 @@ def expand_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
         expand(ids, lens, POOL, seq_offset=seq_offset, out=want[:rows])
     arguments = dict(pool_ids=ids, seq_lens=seq_lens, pool_size=POOL, out=out[:rows])
     arguments |= dict(seq_offset=seq_offset, int32_lengths=key.int32_lengths)
-    return Case(arguments, (out,), (want,), f"{rows} rows, offset {seq_offset}")
+    return Case(arguments, (out,), (want,))
 
 
 # --- expand_and_remap -----------------------------------------------------------
 
-# (pools, row width): GLM-5-Next's 512 pools in 2176 columns, the extremes
-# (992 pools fill 4096 columns; 1024 need 8192, one tile with counts) and
-# slack; rows are whole stock tiles of 128 columns, which stock compacts in
-# column order with counts.
-REMAP_SHAPES = ((32, 256), (96, 512), (512, 2176), (512, 2560), (992, 4096))
-REMAP_SHAPES += ((1024, 8192),)
-# (block size, rows between blocks): not powers of two, strides past the size.
-BLOCKS = ((4, 4), (12, 12), (16, 48), (48, 52), (64, 64), (64, 128), (256, 256))
 
-
-def remap_key(rng: random.Random):
-    """A top-k shape of ``REMAP_SHAPES``, a KV block layout of ``BLOCKS``,
-    with or without counts; ``int32_lengths`` (the fused remap's) of the
-    model runner's int64 positions, else either dtype."""
-    int32_lengths = rng.random() < 0.5
-    dtype = torch.int64 if int32_lengths else rng.choice(INDICES)
-    shape = (*rng.choice(REMAP_SHAPES), *rng.choice(BLOCKS))
-    return REMAP.CompileKey(*shape, dtype, int32_lengths, rng.random() < 0.5)
-
-
-def remap_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
+def remap_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     """The stock decode chain the fused remap replaces: -1 rows, the pool
     expansion into the first ``pool_ids.shape[0]`` (fewer rows: CUDA-graph
     padding), the conversion. Block tables as column slices, negative
     entries, pools past the table; positions at the int32 edge."""
-    key = key or remap_key(rng)
     device = gen.device
     g = dict(generator=gen, device=device)
     rows = rng.choice([1, 2, 8, 64, 255, 256, rng.randint(1, 256)])
@@ -368,14 +321,13 @@ def remap_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
         seq_offset=1,
         int32_lengths=key.int32_lengths,
     )
-    about = f"{rows} rows ({expanded} expanded), {requests}x{blocks} blocks"
-    return Case(arguments, (out, counts), (want_out, want_counts), about)
+    return Case(arguments, (out, counts), (want_out, want_counts))
 
 
 # --- upcast_logits --------------------------------------------------------------
 
 
-def upcast_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
+def upcast_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     """BF16 logits with specials in padded rows (rows across the CTA groups,
     widths 1 to 70,000); row ends at 0, the width, a few tiles in, anywhere,
     negative, and past the width into the padding (stock converts there too,
@@ -413,16 +365,10 @@ def upcast_case(rng: random.Random, gen: torch.Generator, key=None) -> Case:
     arguments = dict(
         logits=logits, row_ends=ends, out=out.as_strided((rows, width), (stride, 1))
     )
-    return Case(arguments, (out,), (want,), f"{rows} rows x {width} (stride {stride})")
+    return Case(arguments, (out,), (want,))
 
 
 # --- select_topk ----------------------------------------------------------------
-
-# The cluster choice's edges (1 CTA below 16384 columns, 16 from 131072 at
-# few rows), odd widths, the widest the kernel takes.
-SELECT_WIDTHS = (1, 7, 511, 512, 513, 4096, 5000, 16384, 65536, 131080, 262144)
-SELECT_WIDEST = CLUSTERS[-1] * CAPACITIES[-1]
-SELECT_ROWS = (1, 2, 3, 4, 8, 16, 33, 64, 256)
 
 
 def select_reference(logits: torch.Tensor, ends: torch.Tensor, k: int):
@@ -469,22 +415,6 @@ def select_shapes(key, sms: int) -> list[tuple[int, int]]:
     return small or sorted(shapes)[:1] or [(1, key.capacity * key.cluster)]
 
 
-def _select_draw(rng: random.Random, sms: int):
-    """(key, rows, width) of a drawn k (GLM-5-Next's 512 mostly), dtype and
-    shape (at most 2^23 logits: the reference sorts them)."""
-    width = rng.choice([*SELECT_WIDTHS, SELECT_WIDEST, rng.randint(1, 70_000)])
-    rows = rng.choice([*SELECT_ROWS, rng.randint(1, 256)])
-    rows = max(1, min(rows, (1 << 23) // width))
-    dtype = rng.choice([torch.float32, torch.bfloat16])
-    k = rng.choice([512, 512, 512, 1, 2048])
-    key = SELECT.dispatch(k=k, dtype=dtype, rows=rows, width=width, sms=sms)
-    return key, rows, width
-
-
-def select_key(rng: random.Random, sms: int):
-    return _select_draw(rng, sms)[0]  # (select_case draws the shape too)
-
-
 def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
     """Logits of one kind: normals of some scale; few distinct values
     (ties across the threshold); all equal; ReLU's plateaus of exact 0.0;
@@ -523,17 +453,17 @@ def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
     return specials(values, rate, gen)
 
 
-def select_case(
-    rng: random.Random, gen: torch.Generator, key=None, *, sms: int = 132
-) -> Case:
-    """Logits of ``key``'s shapes on ``sms`` SMs (drawn if None: widths 1
-    to 851,968, 1-256 rows) in padded rows whose padding (+NaN, the largest
-    key) must never count; row ends at 0, 1, k-1, k, k+1, the width and
-    past it, negative, anywhere; ``out`` a column slice of a wider buffer."""
-    if key is None:
-        key, rows, width = _select_draw(rng, sms)
-    else:
-        rows, width = rng.choice(select_shapes(key, sms))
+def select_case(rng: random.Random, gen: torch.Generator, key, *, sms: int) -> Case:
+    """A case of ``key`` on ``sms`` SMs, of one of its shapes."""
+    rows, width = rng.choice(select_shapes(key, sms))
+    return select_rows_case(rng, gen, key, rows, width)
+
+
+def select_rows_case(rng, gen: torch.Generator, key, rows: int, width: int) -> Case:
+    """Logits of ``rows`` x ``width`` in padded rows whose padding (+NaN, the
+    largest key) must never count; row ends at 0, 1, k-1, k, k+1, the width
+    and past it, negative, anywhere; ``out`` a column slice of a wider
+    buffer."""
     device, k, vector = gen.device, key.k, VECTOR[key.dtype]
     pitch = width + -width % vector + vector * rng.choice([0, 0, 1, 16])
     storage = special_values(key.dtype, device)[2:3].repeat(rows, pitch)
@@ -549,7 +479,7 @@ def select_case(
     logits = storage[:, :width]
     want[:rows, :k] = select_reference(logits, ends, k)
     arguments = dict(logits=logits, ends=ends, k=k, out=out[:rows, :k])
-    return Case(arguments, (out,), (want,), f"{rows} x {width} (pitch {pitch})")
+    return Case(arguments, (out,), (want,))
 
 
 CASES = {UPDATE: update_case, EXPAND: expand_case, REMAP: remap_case}

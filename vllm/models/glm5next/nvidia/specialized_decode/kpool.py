@@ -5,8 +5,9 @@ Triton kernels of ``ops/kpool_compress.py``, ``as_fp32_logits`` and the
 sparse MLA index conversion, and the stage that runs them in planned decode
 steps (``KpoolStage``, ``FusedRemap``).
 
-Each function takes what its kernel's rule (``check`` in
-``cutedsl/<op>/launch.py``) admits and raises ``Refused`` (a
+Each function is its kernel's contract (the kernel class's docstring in
+``cutedsl/<op>/launch.py``), takes what its rule (``check`` there) admits
+and raises ``Refused`` (a
 ``ValueError``) naming the argument otherwise; the stage sends such inputs,
 and any whose kernel its warmup did not compile and check, to the stock
 function. A function compiles a kernel variant on first use (never inside
@@ -57,9 +58,7 @@ def kpool_update(
     mx_scales: bool = True,
     round_scale: bool = True,
 ) -> None:
-    """``kpool_decode_update_and_maybe_write_cache_batched`` for ``head_dim``
-    128 with the same arguments; ``mx_scales`` is what the stock kernel reads
-    from ``mqa_logits_use_mx_scales()`` (UE8M0 bytes, else FP32 scales)."""
+    """``UpdateKernel``'s contract (``head_dim`` 128)."""
     UPDATE(
         kv_cache=kv_cache,
         tail_kv_cache=tail_kv_cache,
@@ -84,8 +83,7 @@ def expand_pools(
     seq_offset: int = 0,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """``expand_pools_and_append_tail(..., seq_offset=, out=)`` for int32 pool
-    ids: writes the ``pools * 4 + 3`` first columns of ``out`` and returns it."""
+    """``ExpandKernel``'s contract; returns ``out``."""
     return EXPAND(
         pool_ids=pool_ids,
         seq_lens=seq_lens,
@@ -108,12 +106,7 @@ def expand_and_remap(
     stride_rows: int,
     seq_offset: int = 1,
 ) -> None:
-    """``triton_convert_req_index_to_global_index(req_ids, block_table,
-    logical, BLOCK_SIZE=block_size, BLOCK_STRIDE_ROWS=stride_rows,
-    return_valid_counts=counts is not None, out=out, valid_counts_out=counts)``
-    where ``logical`` (``out``'s shape) holds, in its first
-    ``pool_ids.shape[0]`` rows, ``expand_pools_and_append_tail(pool_ids,
-    positions, pool_size, seq_offset=seq_offset)`` and -1 everywhere else."""
+    """``RemapKernel``'s contract."""
     REMAP(
         pool_ids=pool_ids,
         positions=positions,
@@ -131,9 +124,7 @@ def expand_and_remap(
 def upcast_logits(
     logits: torch.Tensor, row_ends: torch.Tensor, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``as_fp32_logits`` of BF16 logits: the columns below each row end in
-    FP32, in ``out`` if given (else a new tensor with the strides of
-    ``logits``), the other columns untouched."""
+    """``UpcastKernel``'s contract; returns the FP32 logits."""
     return UPCAST(logits=logits, row_ends=row_ends, out=out)
 
 
@@ -144,7 +135,5 @@ def select_topk(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The exact top ``k`` columns of each row of ``logits`` below
-    ``ends[row]`` (``cutedsl/select/kernel.py`` states the contract), into
-    ``out`` if given, else a new int32 [rows, k] tensor, which it returns."""
+    """``SelectKernel``'s contract; returns the int32 [rows, k] ids."""
     return SELECT(logits=logits, ends=ends, k=k, out=out)

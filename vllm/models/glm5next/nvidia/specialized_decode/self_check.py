@@ -23,8 +23,8 @@ from .cutedsl.select.launch import SELECT, sm_count
 CASES = 64
 
 
-def check(executors: dict, seed: int, device, cases: int = CASES) -> str | None:
-    """Runs ``cases`` cases of each compile key of ``executors`` (key ->
+def check(executors: dict, seed: int, device) -> str | None:
+    """Runs ``CASES`` cases of each compile key of ``executors`` (key ->
     executor); the first case the rule refuses or whose arguments derive
     another key (neither launched), else the first whose bytes differ from
     stock's, or None."""
@@ -32,7 +32,7 @@ def check(executors: dict, seed: int, device, cases: int = CASES) -> str | None:
     for key, executor in executors.items():
         kernel = next(k for k in DRAWS if isinstance(key, k.CompileKey))
         name = type(kernel).__name__
-        for case in range(cases):
+        for case in range(CASES):
             rng = random.Random(seed + case)
             gen = torch.Generator(device).manual_seed(seed + case)
             extra = {"sms": sm_count(device.index or 0)} if kernel is SELECT else {}

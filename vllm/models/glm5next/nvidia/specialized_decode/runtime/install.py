@@ -20,8 +20,8 @@ logger = init_logger(__name__)
 
 class StageRegistry:
     """The installed kpool stages of this process, by the data pointer of
-    their model's indexer top-k buffer (``sparse_indexer.SPECIALIZED_KPOOL``
-    holds it)."""
+    their model's indexer top-k buffer: ``sparse_indexer.SPECIALIZED_KPOOL``
+    (a ``hook.KpoolHook``)."""
 
     def __init__(self) -> None:
         self.by_buffer: weakref.WeakValueDictionary[int, object] = (
@@ -78,7 +78,6 @@ def install(vllm_config, attentions):
     from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
 
     from .stage import KpoolStage
-    from .warmup import StageWarmup
 
     max_rows = decode_capacity(vllm_config)
     buffer = attentions[0].indexer.topk_indices_buffer
@@ -89,10 +88,11 @@ def install(vllm_config, attentions):
         mx_scales=mqa_logits_use_mx_scales(),
         select=config.select,
         select_one_wave=config.select_one_wave,
+        self_check=config.self_check,
+        seed=config.self_check_seed,
     )
     registry().add(stage, buffer)
-    warmup = StageWarmup(stage, attentions, config.self_check, config.self_check_seed)
-    warmup.register_warmup()
+    stage.warmup.register()
     logger.info(
         "GLM-5-Next specialized decode: %s installed for decode-only steps of "
         "up to %d rows, on once the JIT warmup compiled and self-checked its "

@@ -16,7 +16,7 @@ from vllm.utils.torch_utils import current_stream
 from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
 from ..constants import POOL
-from ..cutedsl.remap.launch import REMAP
+from ..cutedsl.common.host import STOCK
 
 
 def group_converting_decodes() -> tuple:
@@ -170,17 +170,16 @@ class FusedRemap:
             seq_offset=1,
             int32_lengths=True,
         )
-        launch = self.stage.prepare(REMAP, **arguments)
-        if launch is None:
-            return None
         compute_stream = current_stream()
         if not in_piecewise_cudagraph():
             group.side_stream.wait_event(group.logical_topk_ready)
         else:
             group.side_stream.wait_stream(compute_stream)
+        # A refusal launches nothing; the events then order no work.
         with group.side_stream:
-            launch()
+            out = self.stage.kernels.remap.serve(**arguments)
             group.physical_topk_ready.record(group.side_stream)
         compute_stream.wait_event(group.physical_topk_ready)
-        out, counts_out = arguments["out"], arguments["counts"]
-        return (out, counts_out) if counts else out
+        if out is STOCK:
+            return None
+        return (out, arguments["counts"]) if counts else out

@@ -9,12 +9,13 @@ scores on (``decode_rows``). Each fused layer's index group converts through
 its ``FusedRemap`` (patch 0005's ``conversion`` hook), which expands the
 pool top-k that ``decode_rows`` deferred to it.
 
-Every kernel launch goes through ``KpoolStage.launch``: the kernel's own
-rule, then an executor this stage's warmup compiled and self-checked for the
-arguments' key; anything else runs the stock kernel.
+Every kernel launch goes through the stage's own kernel instances
+(``KpoolStage.kernels``): the kernel's call, its rule, then an executor this
+stage's warmup compiled and self-checked for the arguments' key; anything
+else returns ``STOCK`` and the stock kernel runs.
 """
 
-from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -28,23 +29,32 @@ from vllm.models.glm5next.nvidia.ops.kpool_compress import (
 from vllm.utils.deep_gemm import fp8_fp4_paged_mqa_logits
 
 from ..constants import MAX_GROUPS, POOL
-from ..cutedsl.common.host import Refused
-from ..cutedsl.expand.launch import EXPAND
-from ..cutedsl.remap.launch import check_shape
-from ..cutedsl.select.launch import SELECT, one_wave, sm_count
-from ..cutedsl.upcast.launch import UPCAST
-from ..cutedsl.update.launch import UPDATE
+from ..cutedsl.common.host import STOCK, Refused
+from ..cutedsl.expand.launch import ExpandKernel
+from ..cutedsl.remap.launch import RemapKernel, check_shape
+from ..cutedsl.select.launch import SelectKernel, one_wave, sm_count
+from ..cutedsl.upcast.launch import UpcastKernel
+from ..cutedsl.update.launch import UpdateKernel
 from .remap import Deferred, FusedRemap, why_not_fusable
 from .steps import PlannedSteps
+from .warmup import StageWarmup
 
-# What ``KpoolStage.launch`` returns where the caller runs the stock kernel.
-STOCK = object()
+
+class StageKernels(NamedTuple):
+    """A stage's instances of the kernels (``KpoolKernel(stage)``)."""
+
+    update: UpdateKernel
+    expand: ExpandKernel
+    remap: RemapKernel
+    upcast: UpcastKernel
+    select: SelectKernel
 
 
 class LayerStep:
-    """One DSA layer's decode in a planned step: patch 0002's calls, and
-    whether it defers its pool top-k to the layer's conversion
-    (``deferring``: the indexer then leaves its logical rows unfilled)."""
+    """One DSA layer's decode in a planned step (a ``hook.KpoolLayerStep``):
+    patch 0002's calls, and whether it defers its pool top-k to the layer's
+    conversion (``deferring``: the indexer then leaves its logical rows
+    unfilled)."""
 
     def __init__(self, stage: "KpoolStage", remap: FusedRemap | None):
         self.stage, self.remap = stage, remap
@@ -56,8 +66,8 @@ class LayerStep:
         passes them."""
         stage = self.stage
         if (
-            stage.launch(
-                UPDATE, *stock_args, mx_scales=stage.mx_scales, round_scale=round_scale
+            stage.kernels.update.serve(
+                *stock_args, mx_scales=stage.mx_scales, round_scale=round_scale
             )
             is STOCK
         ):
@@ -103,7 +113,7 @@ class LayerStep:
         ends = seq_lens.view(-1)
         stage = self.stage
         pool_ids = stage.pool_ids(rows, k, logits.device, self.deferring)
-        if not self.select(logits, ends, k, pool_ids):
+        if not self.selected(logits, ends, k, pool_ids):
             logits = stage.upcast(logits, ends)
             get_indexer_topk(topk_backend)(
                 logits, seq_lens, next_n, pool_ids, k, max_seq_len
@@ -114,11 +124,11 @@ class LayerStep:
             stage.expand(pool_ids, positions[:rows], buffer[:rows])
         return True
 
-    def select(self, logits, ends, k: int, out) -> bool:
-        """The opt-in select of the top ``k`` pools below ``ends`` into
-        ``out``, where the deployment opted in, the step defers (its pool
-        order reaches no consumer as logical rows) and this stage's warmup
-        compiled the key: at every batch size, so that a row's pools do not
+    def selected(self, logits, ends, k: int, out) -> bool:
+        """Whether the opt-in select wrote the top ``k`` pools below ``ends``
+        into ``out``: where the deployment opted in, the step defers (its
+        pool order reaches no consumer as logical rows) and this stage's
+        warmup compiled the key: at every batch size, so that a row's pools do not
         depend on its batch, or (``select_one_wave``) only where one wave of
         clusters holds the rows. It reads the logits as DeepGEMM gives them
         (BF16 or FP32: no upcast)."""
@@ -130,7 +140,7 @@ class LayerStep:
                 not stage.select_one_wave
                 or one_wave(logits.shape[0], logits.shape[1], logits.dtype, stage.sms)
             )
-            and stage.launch(SELECT, logits=logits, ends=ends, k=k, out=out)
+            and stage.kernels.select.serve(logits=logits, ends=ends, k=k, out=out)
             is not STOCK
         )
 
@@ -140,9 +150,10 @@ class KpoolStage:
     (stage ``dsa_kpool``), reached from the stock indexer through
     ``sparse_indexer.SPECIALIZED_KPOOL``.
 
-    It owns the engine's state: which steps are planned (``steps``), the
-    executors its warmup compiled and self-checked (``executors``: none
-    before, and no step is planned before), the scale format
+    It owns the engine's state: which steps are planned (``steps``), its
+    own instance of each kernel (``kernels``), its JIT warmup (``warmup``)
+    and the executors that warmup compiled and self-checked (``executors``:
+    none before, and no step is planned before), the scale format
     (``mx_scales``, read once at install), the pool buffer deferring steps
     write, whether the opt-in select runs (``select``; ``select_one_wave``:
     only where one wave holds the rows, with the SMs its rules count) and
@@ -162,11 +173,20 @@ class KpoolStage:
         mx_scales: bool,
         select: bool = False,
         select_one_wave: bool = False,
+        self_check: str = "on",
+        seed: int | None = None,
     ):
         attentions = list(attentions)
         self.max_rows, self.mx_scales, self.select = max_rows, mx_scales, select
         self.select_one_wave = select and select_one_wave
         self.executors: dict = {}
+        self.kernels = StageKernels(
+            UpdateKernel(self),
+            ExpandKernel(self),
+            RemapKernel(self),
+            UpcastKernel(self),
+            SelectKernel(self),
+        )
         device = torch.device(device)
         # A CUDA tensor's device always carries its index.
         self.sms = sm_count(device.index or 0) if select else 0
@@ -192,6 +212,7 @@ class KpoolStage:
                 self.remaps[str(attn.indexer.k_cache.prefix)] = remap
                 group.conversion = remap
                 impl.convert_decode_through_index_group = True
+        self.warmup = StageWarmup(self, attentions, self_check, seed)
 
     @property
     def fuse(self) -> bool:
@@ -199,37 +220,9 @@ class KpoolStage:
 
     # --- Launches ---------------------------------------------------------
 
-    def prepare(self, kernel, *args, **kwargs):
-        """The launch of ``kernel`` on its arguments (a callable) where its
-        rule takes them and this stage's warmup compiled and checked their
-        key, else None."""
-        try:
-            key, args, _ = kernel.spec(*args, **kwargs)
-        except Refused:
-            return None
-        executor = self.executors.get(key)
-        if executor is None:
-            return None
-        return partial(executor, *args) if args is not None else _nothing
-
-    def launch(self, kernel, *args, **kwargs):
-        """Launches ``kernel`` on its arguments as ``prepare`` finds it and
-        returns its output; ``STOCK`` where the caller runs the stock
-        kernel."""
-        try:
-            key, args, out = kernel.spec(*args, **kwargs)
-        except Refused:
-            return STOCK
-        executor = self.executors.get(key)
-        if executor is None:
-            return STOCK
-        if args is not None:
-            executor(*args)
-        return out
-
     def upcast(self, logits: torch.Tensor, row_ends: torch.Tensor) -> torch.Tensor:
         """``as_fp32_logits``, same arguments."""
-        out = self.launch(UPCAST, logits=logits, row_ends=row_ends)
+        out = self.kernels.upcast.serve(logits=logits, row_ends=row_ends)
         return as_fp32_logits(logits, row_ends) if out is STOCK else out
 
     def expand(self, pool_ids, positions, out) -> None:
@@ -237,8 +230,7 @@ class KpoolStage:
         positions.to(torch.int32) + 1, 4)``: the stock decode's expansion of
         a top-k row into the logical rows."""
         if (
-            self.launch(
-                EXPAND,
+            self.kernels.expand.serve(
                 pool_ids=pool_ids,
                 seq_lens=positions,
                 pool_size=POOL,
@@ -339,7 +331,3 @@ class KpoolStage:
                 tail = f"expand, stock conversion ({why or 'another layer is not'})"
             lines.append(f"{name}: update ({scales}), {upcast}, {tail}")
         return lines
-
-
-def _nothing() -> None:
-    """The launch of arguments with nothing to compute."""

@@ -5,12 +5,12 @@ can launch, compiled before CUDA graph capture, then self-checked, and the
 verdict agreed over the tensor-parallel group."""
 
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from vllm.logger import init_logger
-from vllm.model_executor.warmup.jit_warmup import VllmJitKernel, WarmupChoices
+from vllm.model_executor.warmup.jit_warmup import WarmupChoices
 
 from ..config import SELF_CHECK_SEED_ENV, STAGE
 from ..constants import POOL
@@ -118,60 +118,75 @@ def failed_ranks(failed: bool) -> tuple[list[int], int]:
     return [rank for rank, flag in enumerate(flags) if flag.item()], group.world_size
 
 
-class StageWarmup(VllmJitKernel["StageWarmup.CompileKey"]):
-    """One stage's entry in the model runner's JIT warmup registry. Its keys
-    are the (kernel, compile key) pairs a planned step of its layers can
-    launch; the registry compiles them on fakes before CUDA graph capture,
-    then the self-check (``self_check.py``, unless "off") runs each on this
-    GPU against its stock twin, and the stage gets the executors only if
-    every tensor-parallel rank's compiles and checks passed ("strict": a
-    failure raises on every rank).
+class StageWarmup:
+    """One stage's JIT warmup, in the model runner's registry: each of the
+    stage's kernels is an entry (``register``). The registry asks each for
+    its keys, ``get_warmup_keys(vllm_config)``, which are this warmup's
+    ``keys``: what a planned step of the stage's layers can launch, from the
+    deployment (read into the stage at install) and the layers' bound caches
+    (their strides, which ``vllm_config`` alone does not give). Then it
+    compiles each kernel's keys on fakes before CUDA graph capture
+    (``compiled``). Once every kernel with keys compiled, the self-check
+    (``self_check.py``, unless "off") runs each key on this GPU against its
+    stock twin, and the stage gets the executors only if every
+    tensor-parallel rank's compiles and checks passed ("strict": a failure
+    raises on every rank).
 
-    One entry per stage, not one per kernel: a stage launches only what its
-    own warmup compiled and checked (not another engine's keys, nor a public
-    function's), and its check needs every key compiled first. The keys come
-    from the deployment (read into the stage at install) and from its
-    layers' bound caches, whose strides ``vllm_config`` alone does not
-    give."""
-
-    class CompileKey(NamedTuple):
-        kernel: Any
-        key: Any
+    The verdict is the stage's, not each kernel's: a stage launches only
+    what its own warmup compiled and checked (not another engine's keys, nor
+    a public function's), one failing kernel turns the stage off (stock, as
+    a whole), and the ranks agree once."""
 
     def __init__(self, stage, attentions, self_check: str = "on", seed=None):
-        super().__init__()
         self.stage, self.attentions = stage, list(attentions)
         # The self-check's mode and seed (None: ``SEED``).
         self.self_check = self_check
         self.seed = SEED if seed is None else seed
+        self.executors: dict = {}
+        self.done: set = set()
+        self.error: Exception | None = None
 
-    def get_warmup_keys(self, vllm_config=None) -> list[CompileKey]:
+    def register(self) -> None:
+        """Registers the stage's kernels with the active warmup registry."""
+        for kernel in self.stage.kernels:
+            kernel.register_warmup()
+
+    def keys(self, kernel, vllm_config=None) -> list:
+        """``kernel``'s keys (one of the stage's kernels): from the public
+        kernel's ``get_warmup_keys`` on the deployment's values."""
         keys: dict = {}
-        for kernel, values in deployment_values(self.stage, self.attentions):
-            for key in kernel.get_warmup_keys(**values):
-                keys[self.CompileKey(kernel, key)] = None
+        for public, values in deployment_values(self.stage, self.attentions):
+            if type(public) is type(kernel):
+                keys.update(dict.fromkeys(public.get_warmup_keys(**values)))
         return list(keys)
 
-    def compile(self, compile_key: CompileKey) -> None:
-        compile_key.kernel.compile(compile_key.key)
-
-    def compile_many(self, compile_keys) -> None:
-        """Compiles the keys and self-checks them (unless "off"), then the
-        TP ranks agree: the stage gets its executors on every rank or on
-        none, and each rank logs one line (a failing rank its own failure,
-        the others which ranks failed). "strict": a failure raises on every
-        rank, once the ranks agreed (so that none waits for one that left)."""
-        executors, problem, error, elapsed = None, None, None, 0.0
+    def compiled(self, kernel, keys: list) -> None:
+        """Compiles ``kernel``'s ``keys`` (a compile error is this rank's
+        failure); after the stage's last kernel with keys, ``finish``."""
         try:
-            executors = {
-                key: kernel.executor(key) for kernel, key in list(compile_keys)
-            }
-            if self.self_check != "off":
+            if self.error is None:
+                for key in keys:
+                    self.executors[key] = kernel.executor(key)
+        except Exception as raised:
+            self.error = raised
+        self.done.add(kernel)
+        if all(k in self.done or not self.keys(k) for k in self.stage.kernels):
+            self.finish()
+
+    def finish(self) -> None:
+        """Self-checks the compiled keys (unless "off"), then the TP ranks
+        agree: the stage gets its executors on every rank or on none, and
+        each rank logs one line (a failing rank its own failure, the others
+        which ranks failed). "strict": a failure raises on every rank, once
+        the ranks agreed (so that none waits for one that left)."""
+        executors, problem, error, elapsed = self.executors, None, self.error, 0.0
+        if error is None and self.self_check != "off":
+            try:
                 started = time.perf_counter()
                 problem = self.check(executors)
                 elapsed = time.perf_counter() - started
-        except Exception as raised:
-            error = raised
+            except Exception as raised:
+                error = raised
         failed, ranks = failed_ranks(error is not None or problem is not None)
         if not failed:
             if self.self_check != "off":

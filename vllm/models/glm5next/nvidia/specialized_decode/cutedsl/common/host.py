@@ -20,6 +20,10 @@ CompileKeyT = TypeVar("CompileKeyT")
 INDEX_TYPES = {torch.int32: Int32, torch.int64: Int64}
 
 
+# What a stage's kernel returns where the caller runs the stock kernel.
+STOCK = object()
+
+
 class Refused(ValueError):
     """An input a kernel does not take: "argument: expected X, got Y". The
     public function raises it; the stage runs the stock kernel instead."""
@@ -70,20 +74,41 @@ class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
     (raising ``Refused``) and returns the launch spec ``(compile key,
     executor arguments, output)``, the executor arguments None where there
     is nothing to compute. Each kernel's ``__call__`` is
-    ``kernel_launcher(spec)``: the public function's launch, which compiles
-    a missing key (never inside a CUDA graph capture). The stage does not
-    call it: it launches a spec only with an executor its own warmup
-    compiled and checked (``runtime/stage.py``)."""
+    ``kernel_launcher(spec)``, the one path from a call to a launch.
+
+    The module's instance (``stage`` None) serves the public functions: it
+    compiles a missing key (never inside a CUDA graph capture). A stage's
+    instance (``runtime/stage.py``) launches only the executors its stage's
+    warmup compiled and checked (``stage.executors``); for any other key, and
+    for arguments its rule refuses (``serve``), it launches nothing and
+    returns ``STOCK``: the caller runs the stock kernel. Its warmup keys and
+    compiles are its stage's (``runtime/warmup.py``). All instances of a
+    kernel share the compiled executors (a compile is a function of its key
+    alone)."""
+
+    compiled: dict
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.compiled = {}
+
+    def __init__(self, stage=None):
+        super().__init__()
+        self._compiled_cache = type(self).compiled
+        self.stage = stage
 
     def dispatch(self, **fields) -> CompileKeyT:
         """The compile key of a call whose spec derived ``fields`` from its
         arguments (kernels whose key is no more than that)."""
         return self.CompileKey(**fields)
 
-    def get_warmup_keys(self, **dispatch_values) -> list[CompileKeyT]:
+    def get_warmup_keys(self, vllm_config=None, **dispatch_values) -> list:
         """The keys of every combination of ``dispatch_values`` (each a value,
         a ``WarmupChoices`` or a ``WarmupIntRange``; ``_when`` a predicate),
-        as vLLM's JIT warmup traces ``dispatch``."""
+        as vLLM's JIT warmup traces ``dispatch``. A stage's instance, given
+        none: the keys a planned step of its stage can launch."""
+        if self.stage is not None and not dispatch_values:
+            return self.stage.warmup.keys(self, vllm_config)
         return self._trace_dispatch(self.dispatch)(**dispatch_values)
 
     def compile(self, compile_key: CompileKeyT) -> None:
@@ -96,13 +121,36 @@ class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
             )
         super().compile(compile_key)
 
+    def compile_many(self, compile_keys) -> None:
+        """Compiles ``compile_keys``; a stage's instance then hands them to
+        its stage's warmup (which self-checks them once the stage's every
+        kernel compiled)."""
+        if self.stage is None:
+            return super().compile_many(compile_keys)
+        self.stage.warmup.compiled(self, list(compile_keys))
+
     def executor(self, compile_key: CompileKeyT):
-        """The compiled executor of ``compile_key`` (compiled here if
-        missing: the stage's warmup asks for its keys)."""
+        """The compiled executor of ``compile_key``, compiled here if
+        missing."""
         return self._get_or_compile(compile_key)
 
     def launch(self, launch_spec, _inputs):
         compile_key, args, out = launch_spec
+        if self.stage is not None:
+            executor = self.stage.executors.get(compile_key)
+            if executor is None:
+                return STOCK
+        elif args is not None:
+            executor = self._get_or_compile(compile_key)
         if args is not None:
-            self._get_or_compile(compile_key)(*args)
+            executor(*args)
         return out
+
+    def serve(self, *args, **kwargs):
+        """A stage's launch: the kernel's output, or ``STOCK`` where its rule
+        refuses the arguments or its stage's warmup did not check their key
+        (the caller runs the stock kernel)."""
+        try:
+            return self(*args, **kwargs)
+        except Refused:
+            return STOCK

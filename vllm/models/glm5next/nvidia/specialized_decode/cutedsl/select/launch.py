@@ -151,10 +151,17 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
         )
 
     def get_warmup_keys(
-        self, *, max_rows: int, one_wave_only: bool = False, **dispatch_values
+        self,
+        vllm_config=None,
+        *,
+        max_rows: int | None = None,
+        one_wave_only: bool = False,
+        **dispatch_values,
     ) -> list[CompileKey]:
         """The keys of 1 to ``max_rows`` rows (``one_wave_only``: of those
-        that fit one wave)."""
+        that fit one wave); a stage's instance, given no rows: its stage's."""
+        if max_rows is None:
+            return super().get_warmup_keys(vllm_config)
         when = {"_when": in_one_wave} if one_wave_only else {}
         return self._trace_dispatch(self.dispatch)(
             rows=WarmupIntRange(1, max_rows + 1), **when, **dispatch_values
