@@ -21,7 +21,6 @@ import torch
 import transformers
 
 from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import parallel_state
 from vllm.models.glm5next.nvidia.specialized_decode.runtime import install
 from vllm.platforms import current_platform
 from vllm.v1.attention import selector
@@ -41,7 +40,7 @@ LAYER_TYPES = [
 
 
 @pytest.fixture
-def vllm_config(monkeypatch, tmp_path):
+def vllm_config(monkeypatch, one_cpu_rank):
     """A tiny GLM-5-Next deployment on one CPU rank, its platform a GPU's
     for the attention backends (see the module docstring)."""
     monkeypatch.setattr(current_platform, "device_type", "cpu")
@@ -76,15 +75,6 @@ def vllm_config(monkeypatch, tmp_path):
         indexer_rope_interleave=True,
     )
     config = VllmConfig(device_config=DeviceConfig("cpu"))
-    with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"file://{tmp_path}/group",
-            local_rank=0,
-            backend="gloo",
-        )
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     model_config = SimpleNamespace(
         hf_config=hf,
         hf_text_config=hf,
@@ -98,8 +88,6 @@ def vllm_config(monkeypatch, tmp_path):
         with set_current_vllm_config(config):
             yield config
     finally:
-        parallel_state.destroy_model_parallel()
-        parallel_state.destroy_distributed_environment()
         selector._cached_get_attn_backend.cache_clear()
 
 
