@@ -24,6 +24,7 @@ from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 from vllm.models.glm5next.nvidia.specialized_decode.runtime import install
 from vllm.platforms import current_platform
 from vllm.v1.attention import selector
+from vllm.v1.attention.backends.mla.prefill import selector as prefill_selector
 from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
 
 SPARSE_MLA = (
@@ -83,12 +84,15 @@ def vllm_config(monkeypatch, one_cpu_rank):
         rswa_window=None,
     )
     object.__setattr__(config, "model_config", model_config)
+    # What VllmConfig resolves with a model config of this max_model_len.
     config.attention_config.sparse_mla_prefill_workspace_factor = 5
     try:
         with set_current_vllm_config(config):
             yield config
     finally:
+        # Their choices under the stand-ins must not outlive the test.
         selector._cached_get_attn_backend.cache_clear()
+        prefill_selector._auto_select_mla_prefill_backend.cache_clear()
 
 
 def test_install_gets_the_dsa_layers_attentions_in_order(monkeypatch, vllm_config):
