@@ -7,6 +7,8 @@
 - The simulator's fixtures (``indexer_sim``, imported only when a test asks
   for one: the kernel-only GPU environment has no stock tree to load), a
   deployment's config and a faked GPU for ``config.py`` and ``install()``.
+- vLLM's process groups over one CPU rank (``one_cpu_rank``), for tests
+  that build vLLM's model or runner objects.
 - At the end of the session, each indexer step run's summary line.
 """
 
@@ -139,6 +141,27 @@ def deployment(**overrides):
             target = target.hf_text_config
         setattr(target, attribute or section, value)
     return config
+
+
+@pytest.fixture
+def one_cpu_rank(tmp_path):
+    """vLLM's distributed environment and model parallel groups over one
+    CPU process (gloo): tensor, pipeline, data and expert parallel size 1."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
+        parallel_state.init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"file://{tmp_path}/group",
+            local_rank=0,
+            backend="gloo",
+        )
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    yield
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
 
 
 @pytest.fixture
