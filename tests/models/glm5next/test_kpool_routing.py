@@ -670,7 +670,7 @@ def test_hand_off_check_survives_python_O():
         load("vllm.utils.torch_utils", current_stream=None)
         load("vllm.v1.attention.backends.mla.index_group",
              SparseMLAIndexGroup=type("SparseMLAIndexGroup", (), {{}}))
-        load(package + ".cutedsl.remap.launch", REMAP=None)
+        load(package + ".cutedsl.common.host", Refused=ValueError)
         load(package + ".constants", {str(PACKAGE / "constants.py")!r})
         remap = load(package + ".runtime.remap",
                      {str(PACKAGE / "runtime" / "remap.py")!r})

@@ -16,7 +16,7 @@ from vllm.utils.torch_utils import current_stream
 from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
 from ..constants import POOL
-from ..cutedsl.common.host import STOCK
+from ..cutedsl.common.host import Refused
 
 
 def group_converting_decodes() -> tuple:
@@ -170,16 +170,23 @@ class FusedRemap:
             seq_offset=1,
             int32_lengths=True,
         )
+        # The kernel's call in its two halves (``kernel_launcher``'s): the
+        # spec decides before the side stream is ordered, so that a refused
+        # or unchecked key leaves the streams as stock's conversion finds them.
+        kernel = self.stage.kernels.remap
+        try:
+            spec = kernel.spec(**arguments)
+        except Refused:
+            return None
+        if spec[0] not in self.stage.executors:
+            return None
         compute_stream = current_stream()
         if not in_piecewise_cudagraph():
             group.side_stream.wait_event(group.logical_topk_ready)
         else:
             group.side_stream.wait_stream(compute_stream)
-        # A refusal launches nothing; the events then order no work.
         with group.side_stream:
-            out = self.stage.kernels.remap.serve(**arguments)
+            out = kernel.launch(spec, {})
             group.physical_topk_ready.record(group.side_stream)
         compute_stream.wait_event(group.physical_topk_ready)
-        if out is STOCK:
-            return None
         return (out, arguments["counts"]) if counts else out
