@@ -441,6 +441,27 @@ def deployment_keys(sms: int) -> list:
     return keys
 
 
+def check_deployments(executors: dict, seed: int, device) -> str | None:
+    """``self_check.check`` as deployments run it: each scale format's
+    update keys with stock writing that format (a process has one), every
+    other key once, with the first."""
+    others = {
+        k: e for k, e in executors.items() if not isinstance(k, UPDATE.CompileKey)
+    }
+    for mx in (True, False):
+        updates = {
+            k: e
+            for k, e in executors.items()
+            if isinstance(k, UPDATE.CompileKey) and k.mx_scales == mx
+        }
+        with draws.stock_scales(mx):
+            problem = self_check.check(updates | others, seed, device)
+        if problem is not None:
+            return problem
+        others = {}
+    return None
+
+
 @pytest.mark.gpu
 def test_self_check_on_this_gpu():
     """Every variant of a deployment's keys passes ``CASES`` cases on this
@@ -449,10 +470,12 @@ def test_self_check_on_this_gpu():
     device = torch.device("cuda", torch.cuda.current_device())
     keys = deployment_keys(sm_count(device.index))
     executors = {key: kernel.executor(key) for kernel, key in keys}
-    check(executors, 0, 2, device)  # the stock kernels compile
+    with pytest.MonkeyPatch.context() as patch:  # the stock kernels compile
+        patch.setattr(self_check, "CASES", 2)
+        check_deployments(executors, 0, device)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    problem = self_check.check(executors, 99, device)
+    problem = check_deployments(executors, 99, device)
     elapsed = time.perf_counter() - started
     print(
         f"self-check: {len(executors)} variants x {self_check.CASES} cases, "
@@ -466,7 +489,7 @@ def test_self_check_on_this_gpu():
         run(*args)
         args[4].view(-1)[-1:] += 1  # out's last element
 
-    problem = self_check.check(executors | {remap: corrupted}, 7, device)
+    problem = check_deployments(executors | {remap: corrupted}, 7, device)
     print(f"self-check with a corrupted remap: {problem}")
     match = re.fullmatch(
         r"RemapKernel case (\d+) \(seed (\d+)\) differs .*", problem or ""
