@@ -451,9 +451,8 @@ class Builder:
         pools = [length // POOL for length in seq[decodes:]]
         cu = [sum(pools[:i]) for i in range(len(pools) + 1)]
         ks, ke, chunks = [], [], []
-        for index, (length, n) in enumerate(
-            zip(seq[decodes:], q[decodes:], strict=True)
-        ):
+        pairs = zip(seq[decodes:], q[decodes:], strict=True)
+        for index, (length, n) in enumerate(pairs):
             ks += [cu[index]] * n
             ke += [cu[index] + (p + 1) // POOL for p in range(length - n, length)]
         first = sum(q[:decodes])
@@ -463,25 +462,14 @@ class Builder:
                 return torch.tensor(values, dtype=torch.int32, device=self.device)
 
             ints = tensor(cu)
-            chunks.append(
-                meta.DeepseekV32IndexerPrefillChunkMetadata(
-                    block_table=bt[decodes : len(seq)],
-                    cu_seqlen_ks=tensor(ks),
-                    cu_seqlen_ke=tensor(ke),
-                    cu_seq_lens=ints,
-                    token_to_seq=tensor(
-                        [i for i, p in enumerate(pools) for _ in range(p)]
-                    ),
-                    total_seq_lens=cu[-1],
-                    max_seqlen_k=max(pools),
-                    token_start=first,
-                    token_end=first + len(ks),
-                    num_reqs=len(pools),
-                    local_cu_seq_lens=ints,
-                    local_total_seq_lens=cu[-1],
-                    max_local_total_seq_lens=cu[-1],
-                )  # fmt: skip
-            )
+            seqs = [i for i, p in enumerate(pools) for _ in range(p)]
+            chunks.append(meta.DeepseekV32IndexerPrefillChunkMetadata(
+                block_table=bt[decodes : len(seq)], cu_seqlen_ks=tensor(ks),
+                cu_seqlen_ke=tensor(ke), cu_seq_lens=ints, token_to_seq=tensor(seqs),
+                total_seq_lens=cu[-1], max_seqlen_k=max(pools), token_start=first,
+                token_end=first + len(ks), num_reqs=len(pools), local_cu_seq_lens=ints,
+                local_total_seq_lens=cu[-1], max_local_total_seq_lens=cu[-1],
+            ))  # fmt: skip
         return meta.DeepseekV32IndexerPrefillMetadata(
             chunks, max_prefill_seq_len=max(seq[decodes:])
         )
