@@ -2,24 +2,27 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The indexer simulator's batches: a serving run's requests as GLM-5-Next's
 DSA layers see them (``Scheduler``), and each step's attention metadata as
-vLLM 0.33.0's builders lay it out (``Builder``), in persistent buffers that
-captured CUDA graphs read.
+vLLM 0.33.0's own builders build it (``Builder``).
 
 Requests arrive (a random-walk concurrency target), some with a cached
 prompt prefix, prefill in pool-aligned chunks (the stock kpool prefill write
 assumes it), decode ``next_n`` tokens (cycling 1..spec+1 in phases, uniform
 or not, a random number of drafts accepted: positions rewind) and finish,
-freeing their blocks. Decode rows per backend path: ``varlen`` (SM100, a
-row per token), ``native`` (SM90, uniform ``next_n`` of 1, 2 or 4),
-``flat`` (uniform 3), else the backend's non-uniform layout (``flat``, or
-``padded``: ``[B, max q_len]`` rows that need padding). FULL graph batches
-pad with null-block requests of their ``q_len`` and capture-time
-``max_seq_len``. The tail metadata splits as ``KpoolTailMetadataBuilder``
-(``tail_split="stock"``: threshold 1) or as the indexer's.
+freeing their blocks. Decode rows per backend path (the builder's choice on
+that GPU): ``varlen`` (SM100, a row per token), SM90 ``native`` (``[B,
+next_n]`` rows for 1, 2 or 4) or ``flat`` (a row per token: uniform 3, or
+every step with adaptive verification), ``padded`` (see ``Builder``). FULL
+graph batches pad with null-block requests of their ``q_len`` and
+capture-time ``max_seq_len``. The tail metadata splits as
+``KpoolTailMetadataBuilder`` (``tail_split="stock"``: threshold 1) or as
+the indexer's.
 """
 
+import contextlib
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
@@ -28,7 +31,17 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
 )
 from vllm.v1.attention.backends.mla import indexer as meta
 
-POOL = 4
+# The kernel-only shim (the GPU tier without vLLM) serves the metadata
+# classes but not vLLM's builders: there the metadata is laid by hand
+# (``laid``), as these builders lay it.
+VLLM_BUILDERS = hasattr(meta, "DeepseekV32IndexerMetadataBuilder")
+if VLLM_BUILDERS:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, MLAAttentionSpec
+else:
+    CommonAttentionMetadata = SimpleNamespace
+
+POOL, D = 4, 128
 
 
 @dataclass(frozen=True)
@@ -265,7 +278,23 @@ class Forward:
 
 
 class Builder:
-    """Per-step metadata for every DSA layer of ``geo``."""
+    """Per-step metadata for every DSA layer of ``geo``: the indexer's and
+    the tail's from vLLM's own builders (``DeepseekV32IndexerMetadataBuilder``,
+    ``KpoolTailMetadataBuilder``), each given a ``CommonAttentionMetadata``
+    laid out as the model runner lays it, in persistent buffers (the
+    builders' outputs are views of theirs: what captured graphs read).
+
+    The CPU cannot answer the builders' platform questions; ``platform``
+    answers them as the backend path's GPU would, gives an H100's SM count
+    and, on the CPU, no DeepGEMM (its scheduler metadata op has no CPU
+    kernel; the logits stand-ins do not read it). vLLM 0.33.0 never lays
+    non-uniform decodes in padded rows (``split_decodes_and_prefills(
+    require_uniform=True)`` makes the first request of another ``q_len`` a
+    prefill, and SM90 has no native kernel for 3 rows): the ``padded``
+    layout is the builder's own ``requires_padding`` path, reached by
+    answering native for every ``next_n`` (so uniform 3 is native there)
+    and splitting without ``require_uniform``. The sparse MLA metadata is
+    laid by hand from the same values (its builder is the MLA backend's)."""
 
     def __init__(self, geo: Geometry, backend: Backend, device):
         self.geo, self.backend, self.device = geo, backend, torch.device(device)
@@ -274,17 +303,176 @@ class Builder:
         def buf(*shape, dtype=torch.int32, fill=0):
             return torch.full(shape, fill, dtype=dtype, device=self.device)
 
-        self.positions, self.slots = (
-            buf(t, dtype=torch.int64),
-            buf(t, dtype=torch.int64),
-        )
-        self.base_slots = buf(t, dtype=torch.int64, fill=-1)
-        self.tail_slots = buf(t, dtype=torch.int64)
-        self.query_start, self.seq_lens = buf(r + 1), buf(r)
+        self.positions, self.slots = (buf(t, dtype=torch.int64) for _ in "ps")
+        self.tail_slots = buf(t, dtype=torch.int64, fill=-1)
+        self.query_start, self.seq_lens, self.req_ids = buf(r + 1), buf(r), buf(t)
         self.block_table, self.tail_table = buf(r, blocks), buf(r, 1)
-        self.req_ids, self.dec_seq, self.dec_lens = buf(t), buf(t), buf(t)
-        self.dec_table, self.per_req = buf(t, blocks), buf(t)
-        self.indices, self.schedule = buf(t), buf(1)
+        ns = SimpleNamespace
+        config = ns(
+            scheduler_config=ns(max_num_batched_tokens=t, max_num_seqs=r),
+            parallel_config=ns(
+                decode_context_parallel_size=1, tensor_parallel_size=1,
+                prefill_context_parallel_size=1, cp_kv_cache_interleave_size=1,
+            ),
+            speculative_config=ns(
+                num_speculative_tokens=geo.spec,
+                enable_adaptive_verification=backend.nonuniform == "flat",
+            ),
+            num_speculative_tokens=geo.spec,
+            model_config=ns(max_model_len=geo.max_model_len),
+            compilation_config=ns(cudagraph_mode=None),
+            attention_config=ns(
+                sparse_mla_prefill_workspace_factor=5,
+                resolve_indexer_kv_dtype=lambda default: default,
+            ),
+        )  # fmt: skip
+        self.out = SimpleNamespace(
+            slots=buf(t, dtype=torch.int64), tail=buf(t, dtype=torch.int64),
+            seq=buf(t), lens=buf(t), per_req=buf(t), indices=buf(t),
+            table=buf(t, blocks), schedule=buf(1),
+        )  # fmt: skip
+        if not VLLM_BUILDERS:
+            return
+        spec = MLAAttentionSpec(
+            block_size=geo.block, num_kv_heads=1, head_size=D + 4, dtype=torch.uint8,
+            tokens_per_state=POOL,
+        )  # fmt: skip
+        tail = CircularBufferSpec(
+            block_size=geo.ring, num_kv_heads=2, head_size=D, head_size_v=0,
+            dtype=torch.bfloat16, dcp_sharded=False,
+        )  # fmt: skip
+        with self.platform():
+            names = [p[0] for p in geo.prefixes]
+            self.indexer = meta.DeepseekV32IndexerMetadataBuilder(
+                spec, names, config, self.device, block_table_width=blocks
+            )
+            names = [p[1] for p in geo.prefixes]
+            self.tail = meta.KpoolTailMetadataBuilder(tail, names, config, self.device)
+
+    @contextlib.contextmanager
+    def platform(self):
+        """The builders' platform answers for the backend path (SM100: varlen
+        rows; SM90: native ``next_n`` 1, 2, 4, flattened with adaptive
+        verification; ``padded``: see the class docstring)."""
+        varlen, padded = self.backend.varlen, self.backend.nonuniform == "padded"
+        cpu = self.device.type == "cpu"
+        split = meta.split_decodes_and_prefills
+
+        def uniform_or_not(common, **kw):
+            return split(common, **kw | dict(require_uniform=False))
+
+        with contextlib.ExitStack() as stack:
+            for name, value in dict(
+                _supports_varlen_paged_mqa_logits=lambda: varlen,
+                _supports_flattened_device_query_lens=lambda: not varlen,
+                _supports_native_decode=lambda n: varlen or padded or n in (1, 2, 4),
+                num_compute_units=lambda index: 132,
+                **(dict(has_deep_gemm=lambda: False) if cpu else {}),
+                **(dict(split_decodes_and_prefills=uniform_or_not) if padded else {}),
+            ).items():
+                stack.enter_context(mock.patch.object(meta, name, value))
+            yield
+
+    def built(self, common):
+        """The indexer's and the tail's metadata by vLLM's builders (the
+        tail's ``CommonAttentionMetadata``: its own KV cache group's block
+        table, one block a request, and slot mapping)."""
+        tail = replace(
+            common, block_table_tensor=self.tail_table[: common.num_reqs],
+            slot_mapping=self.tail_slots[: common.num_actual_tokens],
+        )  # fmt: skip
+        with self.platform():
+            return self.indexer.build(0, common), self.tail.build(0, tail)
+
+    def laid(self, common):
+        """What ``built`` gives, laid by hand (the kernel-only shim)."""
+        geo, out, q = self.geo, self.out, common.query_start_loc_cpu.diff().tolist()
+        n, reqs, tokens = geo.spec + 1, common.num_reqs, common.num_actual_tokens
+        decodes = next((i for i, x in enumerate(q) if x > n), reqs)
+        seq, bt = common.seq_lens.tolist(), common.block_table_tensor
+        pos, slots = common.positions[:tokens], common.slot_mapping
+        last = (pos % POOL == POOL - 1) & (slots >= 0)
+        state = slots // geo.block * geo.page + slots % geo.block // POOL
+        out.slots[:tokens] = torch.where(last, state, -1)
+
+        def split(d: int, **more):
+            return meta.DeepseekV32IndexerMetadata(
+                seq_lens=common.seq_lens, max_seq_len=common.max_seq_len,
+                num_decodes=d, num_decode_tokens=sum(q[:d]), num_prefills=reqs - d,
+                num_prefill_tokens=sum(q[d:]), **more,
+            )  # fmt: skip
+
+        tail = split(
+            next((i for i, x in enumerate(q) if x > 1), reqs), positions=pos,
+            slot_mapping=meta.compute_kpool_tail_slot_mapping(
+                torch.full_like(out.tail[:tokens], -1), self.tail_table[:reqs],
+                common.query_start_loc, pos, tokens, reqs, geo.ring,
+                out=out.tail[:tokens],
+            ),
+        )  # fmt: skip
+        indexer = split(
+            decodes, slot_mapping=out.slots[:tokens], block_table=bt,
+            decode=self.laid_decode(q[:decodes], seq, bt) if decodes else None,
+            prefill=self.laid_prefill(q, seq, decodes, bt) if decodes < reqs else None,
+        )  # fmt: skip
+        return indexer, tail
+
+    def laid_decode(self, d, seq, bt):
+        """The builder's decode rows: native (``[B, max q_len]``, padded
+        when not uniform), else a row per token (varlen: with indices)."""
+        out, lmax, t = self.out, max(d), sum(d)
+        native = not self.backend.varlen and self.backend.nonuniform == "padded"
+        if native:
+            rows = [
+                [max(L - lmax + j + 1, 0) for j in range(lmax)] for L in seq[: len(d)]
+            ]
+            values = self.put(out.seq, sum(rows, [])).view(len(d), lmax)
+            table, lens = bt[: len(d)], self.put(out.lens, d)
+        else:
+            rows = [index for index, q in enumerate(d) for _ in range(q)]
+            grid = [
+                max(L - q + j + 1, 0)
+                for q, L in zip(d, seq[: len(d)], strict=True)
+                for j in range(q)
+            ]
+            values = self.put(out.seq, grid).view(t, 1)
+            table = out.table[:t].copy_(bt[torch.tensor(rows, device=bt.device)])
+            lens = self.put(out.lens, [1] * t)
+        return meta.DeepSeekV32IndexerDecodeMetadata(
+            block_table=table, seq_lens=values.floor_divide_(POOL), decode_lens=lens,
+            requires_padding=native and min(d) != lmax, schedule_metadata=out.schedule,
+            per_req_decode_lens=self.put(out.per_req, d), write_max_decode_len=lmax,
+            decode_is_uniform=min(d) == lmax,
+            indices=self.put(out.indices, rows) if self.backend.varlen else None,
+        )  # fmt: skip
+
+    def laid_prefill(self, q, seq, decodes: int, bt):
+        """One chunk over every prefill request (none without a pool)."""
+        pools = [length // POOL for length in seq[decodes:]]
+        cu = [sum(pools[:i]) for i in range(len(pools) + 1)]
+        ks, ke, chunks = [], [], []
+        pairs = zip(seq[decodes:], q[decodes:], strict=True)
+        for index, (length, n) in enumerate(pairs):
+            ks += [cu[index]] * n
+            ke += [cu[index] + (p + 1) // POOL for p in range(length - n, length)]
+        first = sum(q[:decodes])
+        if cu[-1]:
+
+            def tensor(values):
+                return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+            ints = tensor(cu)
+            seqs = [i for i, p in enumerate(pools) for _ in range(p)]
+            chunks.append(meta.DeepseekV32IndexerPrefillChunkMetadata(
+                block_table=bt[decodes : len(seq)], cu_seqlen_ks=tensor(ks),
+                cu_seqlen_ke=tensor(ke), cu_seq_lens=ints, token_to_seq=tensor(seqs),
+                total_seq_lens=cu[-1], max_seqlen_k=max(pools), token_start=first,
+                token_end=first + len(ks), num_reqs=len(pools), local_cu_seq_lens=ints,
+                local_total_seq_lens=cu[-1], max_local_total_seq_lens=cu[-1],
+            ))  # fmt: skip
+        return meta.DeepseekV32IndexerPrefillMetadata(
+            chunks, max_prefill_seq_len=max(seq[decodes:])
+        )
 
     def put(self, buffer: torch.Tensor, values) -> torch.Tensor:
         host = torch.as_tensor(values, dtype=buffer.dtype)
@@ -297,14 +485,16 @@ class Builder:
         graph batch, padded with ``pad_reqs`` null requests of its ``q_len``,
         with capture-time ``max_seq_len`` and a graph key naming every host
         value its capture bakes in (vLLM keys by token count because its
-        ``q_len`` is fixed per deployment; this batch cycles ``next_n``)."""
+        ``q_len`` is fixed per deployment; this batch cycles ``next_n``).
+        ``tail_split="indexer"``: the tail metadata split as the indexer's
+        (``KpoolTailMetadataBuilder`` splits at 1)."""
         geo = self.geo
         q_pad = batch.items[0].q_len if full else 0
         items = [(i.start, i.q_len, i.req) for i in batch.items]
-        items += [(None, q_pad, None)] * pad_reqs
+        items += [(0, q_pad, None)] * pad_reqs
         q_lens = [q for _, q, _ in items]
-        decodes, tokens, reqs = batch.num_decodes + pad_reqs, sum(q_lens), len(items)
-        seq_lens = [0 if s is None else s + q for s, q, _ in items]
+        tokens, reqs = sum(q_lens), len(items)
+        seq_lens = [s + q for s, q, _ in items]  # padding: q_pad tokens, no more
         positions, slots, req_ids = [], [], []
         table = torch.zeros(reqs, geo.max_model_len // geo.block, dtype=torch.int32)
         tails = torch.zeros(reqs, 1, dtype=torch.int32)
@@ -317,126 +507,47 @@ class Builder:
             tails[index, 0] = req.tail
             for pos in range(start, start + q):
                 positions.append(pos)
-                block = (
-                    req.blocks[pos // geo.block] * geo.page + pos % geo.block // POOL
-                )
-                slots.append(block if pos % POOL == POOL - 1 else -1)
-        pos = self.put(self.positions, positions)
-        self.put(self.slots, slots)
-        self.put(self.req_ids, req_ids)
-        qsl = self.put(self.query_start, [sum(q_lens[:i]) for i in range(reqs + 1)])
-        seq, bt = self.put(self.seq_lens, seq_lens), self.put(self.block_table, table)
-        tail_slots = meta.compute_kpool_tail_slot_mapping(
-            self.base_slots[:tokens], self.put(self.tail_table, tails), qsl, pos,
-            tokens, reqs, geo.ring, out=self.tail_slots[:tokens],
-        )  # fmt: skip
+                slots.append(req.blocks[pos // geo.block] * geo.block + pos % geo.block)
+        cu = [sum(q_lens[:i]) for i in range(reqs + 1)]
         max_seq = geo.max_model_len if full else max(seq_lens)
-        decode, layout = None, "none"
-        if decodes:
-            decode, layout = self.decode(items[:decodes], seq_lens, bt)
-        tail_decodes = decodes
-        if tail_split == "stock":  # split_decodes_and_prefills at threshold 1
-            tail_decodes = next((i for i, q in enumerate(q_lens) if q > 1), reqs)
-
-        def split(n: int, **more):
-            return meta.DeepseekV32IndexerMetadata(
-                seq_lens=seq, max_seq_len=max_seq, num_decodes=n,
-                num_decode_tokens=sum(q_lens[:n]), num_prefills=reqs - n,
-                num_prefill_tokens=sum(q_lens[n:]), **more,
-            )  # fmt: skip
-
-        indexer = split(
-            decodes, slot_mapping=self.slots[:tokens], decode=decode, block_table=bt,
-            prefill=self.prefill(items, decodes, seq_lens, bt),
+        common = CommonAttentionMetadata(
+            query_start_loc=self.put(self.query_start, cu),
+            query_start_loc_cpu=torch.tensor(cu, dtype=torch.int32),
+            seq_lens=self.put(self.seq_lens, seq_lens),
+            seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32),
+            num_reqs=reqs, num_actual_tokens=tokens, max_query_len=max(q_lens),
+            max_seq_len=max_seq, block_table_tensor=self.put(self.block_table, table),
+            slot_mapping=self.put(self.slots, slots),
+            positions=self.put(self.positions, positions),
         )  # fmt: skip
-        tail = split(tail_decodes, slot_mapping=tail_slots, positions=pos)
+        self.put(self.tail_table, tails)
+        indexer, tail = (self.built if VLLM_BUILDERS else self.laid)(common)
+        if tail_split == "indexer":
+            split = ("num_decodes", "num_decode_tokens", "num_prefills")
+            tail = replace(tail, **{k: getattr(indexer, k) for k in split},
+                           num_prefill_tokens=indexer.num_prefill_tokens)  # fmt: skip
+        decodes, layout = indexer.num_decodes, "none"
+        if indexer.decode is not None:
+            d = indexer.decode
+            layout = (
+                "varlen" if d.indices is not None else "padded" if d.requires_padding
+                else "native" if d.seq_lens.shape[0] == decodes else "flat"
+            )  # fmt: skip
+        self.put(self.req_ids, req_ids)
         mla = SparseMLACommonMetadata(
             num_reqs=reqs, max_query_len=max(q_lens), max_seq_len=max_seq,
-            num_actual_tokens=tokens, query_start_loc=qsl,
-            slot_mapping=self.slots[:tokens], num_decodes=decodes,
+            num_actual_tokens=tokens, query_start_loc=common.query_start_loc,
+            slot_mapping=common.slot_mapping, num_decodes=decodes,
             num_decode_tokens=indexer.num_decode_tokens,
-            num_prefills=indexer.num_prefills, block_table=bt,
+            num_prefills=indexer.num_prefills, block_table=common.block_table_tensor,
             req_id_per_token=self.req_ids, block_size=geo.block, topk_tokens=geo.topk,
         )  # fmt: skip
         metadata = {}
         for names in geo.prefixes:
             metadata.update(zip(names, (indexer, tail, mla), strict=True))
-        host = (rows, tokens, tuple(q_lens), decodes, max_seq, tail_decodes, layout)
+        host = (rows, tokens, tuple(q_lens), decodes, max_seq, tail.num_decodes, layout)
         key = (reqs, q_pad, layout) if full else (rows,)
+        kind = "decode" if decodes == reqs else "mixed" if decodes else "prefill"
         return Forward(
-            metadata, self.positions[:rows], rows, tokens, batch.kind, layout, key, host
-        )
-
-    def decode(self, items, seq_lens, bt):
-        """Decode rows per layout (see the module docstring)."""
-        d = [q for _, q, _ in items]
-        t, lmax, uniform = sum(d), max(d), min(d) == max(d)
-        layout = self.backend.nonuniform
-        if self.backend.varlen:
-            layout = "varlen"
-        elif uniform:
-            layout = "native" if lmax in (1, 2, 4) else "flat"
-        # Each row's context in pools: token j of a request ending at L.
-        grid = [
-            [max(L - q + j + 1, 0) // POOL for j in range(q)]
-            for (_, q, _), L in zip(items, seq_lens, strict=False)
-        ]
-        indices = None
-        if layout in ("varlen", "flat"):
-            rows = [index for index, q in enumerate(d) for _ in range(q)]
-            seq = self.put(self.dec_seq, sum(grid, [])).view(t, 1)
-            table = self.dec_table[:t]
-            table.copy_(bt[torch.tensor(rows, device=bt.device)])
-            lens = self.put(self.dec_lens, [1] * t)
-            indices = self.put(self.indices, rows) if layout == "varlen" else None
-        else:
-            padded = sum((row + [0] * (lmax - len(row)) for row in grid), [])
-            seq = self.put(self.dec_seq, padded).view(len(d), lmax)
-            table, lens = bt[: len(d)], self.put(self.dec_lens, d)
-        decode = meta.DeepSeekV32IndexerDecodeMetadata(
-            block_table=table, seq_lens=seq, decode_lens=lens,
-            requires_padding=layout == "padded", schedule_metadata=self.schedule,
-            per_req_decode_lens=self.put(self.per_req, d), decode_is_uniform=uniform,
-            write_max_decode_len=lmax, indices=indices,
-        )  # fmt: skip
-        return decode, layout
-
-    def prefill(self, items, decodes: int, seq_lens, bt):
-        """One chunk over every prefill request (short ones: none)."""
-        if decodes == len(items):
-            return None
-        lens = seq_lens[decodes:]
-        pools = [length // POOL for length in lens]
-        cu = [sum(pools[:i]) for i in range(len(pools) + 1)]
-        ks, ke = [], []
-        for index, (start, q, _) in enumerate(items[decodes:]):
-            ks += [cu[index]] * q
-            ke += [cu[index] + (pos + 1) // POOL for pos in range(start, start + q)]
-        first, chunks = sum(q for _, q, _ in items[:decodes]), []
-        if cu[-1]:
-
-            def tensor(values):
-                return torch.tensor(values, dtype=torch.int32, device=self.device)
-
-            ints = tensor(cu)
-            seqs = [index for index, p in enumerate(pools) for _ in range(p)]
-            chunks.append(
-                meta.DeepseekV32IndexerPrefillChunkMetadata(
-                    block_table=bt[decodes:],
-                    cu_seqlen_ks=tensor(ks),
-                    cu_seqlen_ke=tensor(ke),
-                    cu_seq_lens=ints,
-                    token_to_seq=tensor(seqs),
-                    total_seq_lens=cu[-1],
-                    max_seqlen_k=max(pools),
-                    token_start=first,
-                    token_end=first + len(ks),
-                    num_reqs=len(pools),
-                    local_cu_seq_lens=ints,
-                    local_total_seq_lens=cu[-1],
-                    max_local_total_seq_lens=cu[-1],
-                )  # fmt: skip
-            )
-        return meta.DeepseekV32IndexerPrefillMetadata(
-            chunks, max_prefill_seq_len=max(lens)
+            metadata, self.positions[:rows], rows, tokens, kind, layout, key, host
         )

@@ -4,16 +4,23 @@
 and the sparse MLA top-k conversion run as serving runs them, the
 ``dsa_kpool`` stage against stock, every byte a step leaves.
 
+Each step's metadata comes from vLLM's own builders (``indexer_batches``).
 The references (DeepGEMM's scores in torch, the prefill top-k, the K gather,
 the workspace, the decode top-k stand-ins) go into the indexer modules and
-``runtime/stage.py`` (``references``). ``Spies`` record each stage launch
-and, on the CPU, compute it by its stock twin; stock fallbacks, hand-overs
-and the fake streams land in the same timeline. A ``Model`` is one engine's
-DSA layers and their conversion, its stage built as ``install()`` and the
-JIT warmup build it (``build_stage``); ``differences`` compares two models'
-layer step. ``Run`` drives the models step after step (eager, FULL and
-piecewise graphs, two engines, streams held back); ``Bench`` runs one step
-of one layer for the CPU routing tests."""
+``runtime/stage.py`` (``references``). The scores are the simulator's own:
+vLLM's torch ones (``fp8_paged_mqa_logits_torch``, ``fp8_mqa_logits_torch``
+in ``rocm_aiter_mla_sparse.py``) take no MX scales (SM100) nor a query
+scale, read a ``next_n > 1`` cache as per-token rows (not DeepGEMM's paged
+layout), give prefill rows absolute key columns and ``-inf`` past a row's
+end (here ``PAST_END``, which a top-k that read it would pick). ``Spies``
+record each stage launch and, on the CPU, compute it by its stock twin;
+stock fallbacks, hand-overs and the fake streams land in the same timeline.
+A ``Model`` is one engine's DSA layers and their conversion, its stage
+built as ``install()`` and the JIT warmup build it (``build_stage``);
+``differences`` compares two models' layer step. ``Run`` drives the models
+step after step (eager, FULL and piecewise graphs, two engines, streams
+held back); ``Bench`` runs one step of one layer for the CPU routing
+tests."""
 
 import contextlib
 import importlib.util
@@ -533,14 +540,10 @@ class Model:
             group = index_group(self.buffer, rows, sim.timeline)
             source = vars(sim.source).items()
             self.inputs.append(SimpleNamespace(**{k: v[0].clone() for k, v in source}))
-            self.snaps.append(
-                SimpleNamespace(
-                    logical=ints((t, w), dev),
-                    physical=ints((t, w), dev),
-                    counts=ints((t,), dev),
-                    flags=ints((2,), dev),
-                )  # fmt: skip
-            )
+            self.snaps.append(SimpleNamespace(
+                logical=ints((t, w), dev), physical=ints((t, w), dev),
+                counts=ints((t,), dev), flags=ints((2,), dev),
+            ))  # fmt: skip
             cls = IMPLS[sim.backend.convert]
             # The MLA cache as bound: [blocks, block, row], blocks
             # ``mla_block_rows`` rows apart (the fused remap's layout).
@@ -776,15 +779,19 @@ def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False)
     ]
 
 
+def flags(stock: Model, where, tokens: int, sets=False) -> list[list[int]]:
+    """``differences`` of each ``(stage model, layer)`` of ``where`` (one
+    sync)."""
+    found = [torch.stack(differences(stock, s, i, tokens, sets)) for s, i in where]
+    return torch.stack(found).tolist()
+
+
 def mismatches(stock: Model, stage: Model, tokens: int, sets=False) -> list[str]:
-    """The ``FIELDS`` that differ, per layer (one sync)."""
-    layers = range(stage.sim.geo.layers)
-    flags = torch.stack(
-        [torch.stack(differences(stock, stage, i, tokens, sets)) for i in layers]
-    )
+    """The ``FIELDS`` that differ, per layer."""
+    where = [(stage, i) for i in range(stage.sim.geo.layers)]
     return [
         f"layer {i} {name}"
-        for i, values in zip(layers, flags.tolist(), strict=True)
+        for (_, i), values in zip(where, flags(stock, where, tokens, sets), strict=True)
         for name, differs in zip(FIELDS, values, strict=False)
         if differs
     ]
@@ -799,6 +806,7 @@ def assert_same(stock: Model, stage: Model, fwd, sets=False) -> None:
 
 MODES = ("eager", "full", "piecewise")
 STAND_INS = (
+    "metadata: vLLM's builders (by hand in the kernel-only shim); "
     "DeepGEMM's paged and ragged MQA logits, the prefill top-k, the K gather and "
     "the workspace: torch references (indexer_sim), both sides; the decode top-k: "
     "vLLM's torch reference on the CPU, a stable sort (ties to the lower pool) on "
@@ -1044,13 +1052,8 @@ class Run:
         stock, where = self.sides[0], []
         for side in self.sides[1:]:
             where += [(side, layer) for layer in range(self.cfg.geo.layers)]
-        flags = torch.stack(
-            [
-                torch.stack(differences(stock, s, i, fwd.tokens, self.cfg.select))
-                for s, i in where
-            ]
-        )
-        for (side, layer), values in zip(where, flags.tolist(), strict=True):
+        found = flags(stock, where, fwd.tokens, self.cfg.select)
+        for (side, layer), values in zip(where, found, strict=True):
             *diffs, deferred, fused = values
             report.deferred += deferred
             report.fused += fused
@@ -1122,12 +1125,8 @@ class Bench:
         self.sim = Sim(
             step.geometry(), step.backend(mx), "cpu", step.seed, spies.timeline
         )
-        self.spies, self.stock_module, self.model, self.batch = (
-            spies,
-            stock_module,
-            model,
-            None,
-        )
+        self.spies, self.stock_module, self.model = spies, stock_module, model
+        self.batch = None
         self.use(step)
         self.engine = Model(self.sim, "stage", **model)
         self.registry = StageRegistry() if registry is None else registry

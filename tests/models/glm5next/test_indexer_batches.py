@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``indexer_batches.Builder``: the metadata the GPU tier lays by hand
+(``laid``: the kernel-only machine has no vLLM builders) is what vLLM's own
+builders build (``built``) from the same ``CommonAttentionMetadata``, field
+for field, over a serving run's batches of every backend path, eager and
+FULL-graph padded (CPU), but for what the simulator does not read
+(``UNREAD``)."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from indexer_batches import BACKENDS, Builder, Geometry, Scheduler, Workload
+
+# DeepGEMM's scheduler metadata: its schedule op has no CPU kernel, and the
+# simulator's logits stand-ins do not read it.
+UNREAD = {"schedule_metadata"}
+
+
+def differences(built, laid, where: str) -> list[str]:
+    """Where two metadata values differ (dataclasses by field, tensors by
+    value and shape)."""
+    if dataclasses.is_dataclass(built) and not isinstance(built, type):
+        found = []
+        for f in dataclasses.fields(built):
+            if f.name in UNREAD:
+                continue
+            a, b = getattr(built, f.name), getattr(laid, f.name, "<missing>")
+            found += differences(a, b, f"{where}.{f.name}")
+        return found
+    if isinstance(built, torch.Tensor):
+        same = (
+            isinstance(laid, torch.Tensor)
+            and built.shape == laid.shape
+            and torch.equal(built.cpu().long(), laid.cpu().long())
+        )
+        return [] if same else [f"{where}: {built} != {laid}"]
+    if isinstance(built, (list, tuple)):
+        if not isinstance(laid, (list, tuple)) or len(built) != len(laid):
+            return [f"{where}: {len(built)} items != {laid!r}"]
+        pairs = enumerate(zip(built, laid, strict=True))
+        return [d for i, (a, b) in pairs for d in differences(a, b, f"{where}[{i}]")]
+    return [] if built == laid else [f"{where}: {built!r} != {laid!r}"]
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_laid_metadata_is_what_vllm_builds(monkeypatch, name):
+    geo = Geometry(layers=1, max_tokens=256, max_reqs=16)
+    builder = Builder(geo, BACKENDS[name], "cpu")
+    found, steps = [], 0
+    built = builder.built
+
+    def both(common):
+        got = built(common)
+        want = builder.laid(common)
+        for part, a, b in zip(("indexer", "tail"), got, want, strict=True):
+            found.extend(differences(a, b, f"step {steps} {part}"))
+        return got
+
+    monkeypatch.setattr(builder, "built", both)
+    sched = Scheduler(geo, Workload(decode_steps=40, phase=5), random.Random(7))
+    while sched.decode_steps < 40 and steps < 200:
+        batch = sched.schedule()
+        if batch.items:
+            full = batch.kind == "decode" and batch.uniform and steps % 3 == 0
+            builder.build(
+                batch, rows=batch.tokens, full=full, pad_reqs=2 if full else 0
+            )
+            sched.commit(batch)
+        steps += 1
+    assert found == [], found[:5]
