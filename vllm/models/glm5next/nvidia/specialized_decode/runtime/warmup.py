@@ -144,6 +144,9 @@ class StageWarmup:
         self.seed = SEED if seed is None else seed
         self.executors: dict = {}
         self.done: set = set()
+        # The stage's kernels that have keys (traced once, at the first
+        # compile: the select's trace covers every layer and row count).
+        self.keyed: list | None = None
         self.error: Exception | None = None
 
     def register(self) -> None:
@@ -170,7 +173,9 @@ class StageWarmup:
         except Exception as raised:
             self.error = raised
         self.done.add(kernel)
-        if all(k in self.done or not self.keys(k) for k in self.stage.kernels):
+        if self.keyed is None:
+            self.keyed = [k for k in self.stage.kernels if self.keys(k)]
+        if all(k in self.done for k in self.keyed):
             self.finish()
 
     def finish(self) -> None:
