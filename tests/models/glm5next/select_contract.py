@@ -34,12 +34,12 @@ def contract_topk(logits: torch.Tensor, ends: torch.Tensor, k: int) -> torch.Ten
     keys = torch.where(columns[None, :] < end[:, None], order_key(logits), -1)
     slots = torch.arange(k, device=device)
     out = torch.where(slots[None, :] < end[:, None], slots[None, :], -1)
-    long = (end > k).nonzero().view(-1)
-    if long.numel():
-        row_keys = keys[long]
-        threshold = torch.kthvalue(row_keys, width - k + 1, dim=1).values[:, None]
-        above, tied = row_keys > threshold, row_keys == threshold
-        need = k - above.sum(1, keepdim=True)
-        taken = above | (tied & (tied.cumsum(1) <= need))
-        out[long] = taken.nonzero()[:, 1].view(-1, k)
-    return out.to(torch.int32)
+    if width < k:
+        return out.to(torch.int32)
+    # Every row, no data-dependent shape, so that a CUDA graph can hold it.
+    threshold = torch.kthvalue(keys, width - k + 1, dim=1).values[:, None]
+    above, tied = keys > threshold, keys == threshold
+    need = k - above.sum(1, keepdim=True)
+    taken = above | (tied & (tied.cumsum(1) <= need))
+    ids = torch.where(taken, columns, width).sort(dim=1).values[:, :k]
+    return torch.where((end > k)[:, None], ids, out).to(torch.int32)
