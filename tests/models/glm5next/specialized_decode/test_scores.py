@@ -371,23 +371,21 @@ def test_scores_against_definition():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="on the H200 about 4 % of rows (197 of 5166, every key) differ from "
-    "DeepGEMM's in whole values while the float64 check holds; not explained yet "
-    "(docs/performance.md, our scores)",
-)
 def test_scores_equal_deepgemm():
     """DeepGEMM's bytes in every column a consumer reads (row ``r`` below
     its own length ``seq_lens.view(-1)[r]``, as the top-k and the upcast
     read it), over steps of >= 1,000 rows; reports the max ulps, the share
     of rows whose top-512 set differs, and the rows that differ only past
-    their own length (below the entry's last), where neither is read."""
+    their own length (below the entry's last), where neither is read.
+
+    Not compared: the entries right after an entry of context 0. There
+    DeepGEMM's first pages take another query (docs/performance.md, "Our
+    scores"); ``test_scores_against_definition`` holds ours there."""
     deep_gemm, why = _deep_gemm()
     if deep_gemm is None:
         pytest.skip(why)
     seed = fuzz_seed()
-    rows = differ_rows = topk_rows = topk_differ = beyond = 0
+    rows = differ_rows = topk_rows = topk_differ = beyond = after_zero = 0
     max_ulps, refused, first, by_key = 0, set(), [], {}
     for key, entries, rng in _steps(seed):
         # vLLM's block tables hold page 0 past a request's pages.
@@ -403,6 +401,10 @@ def test_scores_equal_deepgemm():
         ends = args["seq_lens"][:, -1].repeat_interleave(key.next_n)
         lens = args["seq_lens"].reshape(-1)
         for r in range(ours.shape[0]):
+            entry = r // key.next_n
+            if entry and int(args["seq_lens"][entry - 1, -1]) == 0:
+                after_zero += 1
+                continue
             m, n = int(lens[r]), int(ends[r])
             a, b = ours[r, :m], theirs[r, :m]
             same = a.view(I32) == b.view(I32)
@@ -431,7 +433,8 @@ def test_scores_equal_deepgemm():
         f"scores vs DeepGEMM: {rows} rows, seed {seed}, {differ_rows} rows with "
         f"a differing byte below their length (max {max_ulps} ulps), top-{TOPK} "
         f"set differs in {topk_differ} of {topk_rows} rows; {beyond} rows differ "
-        f"only past their own length; DeepGEMM refused {sorted(refused)}; "
+        f"only past their own length; {after_zero} rows after a context-0 entry "
+        f"not compared; DeepGEMM refused {sorted(refused)}; "
         f"first: {first}; (heads, next_n, block): [rows, differing] {by_key}"
     )
     assert rows >= 1000, (rows, sorted(refused))
