@@ -439,3 +439,51 @@ def test_scores_equal_deepgemm():
     )
     assert rows >= 1000, (rows, sorted(refused))
     assert differ_rows == 0, (differ_rows, max_ulps, seed, first)
+
+
+@pytest.mark.gpu
+def test_deepgemm_after_a_context_0_entry():
+    """What the byte comparison leaves out, pinned: after an entry of
+    context 0, DeepGEMM scores the next entry's first pages with the
+    context-0 entry's query and weights, where ours keep the definition.
+    (If DeepGEMM changes this, the comparison above can take these rows.)"""
+    deep_gemm, why = _deep_gemm()
+    if deep_gemm is None:
+        pytest.skip(why)
+    gen = torch.Generator("cuda").manual_seed(fuzz_seed())
+    n, block, pages, entries = 4000, 64, -(-4000 // 64), 8
+    long = list(range(0, entries, 2))  # each followed by an entry of context 0
+    values = torch.randn(4 * pages, block, DIM, generator=gen, device="cuda")
+    scale = values.abs().amax(-1) / 448.0
+    cache = torch.empty(4 * pages, block * (DIM + 4), dtype=U8, device="cuda")
+    cache[:, : block * DIM] = (values / scale[..., None]).to(FP8).view(U8).flatten(1)
+    cache[:, block * DIM :] = scale.view(U8).flatten(1)
+    table = torch.zeros(entries, pages, dtype=I32, device="cuda")
+    lengths = torch.zeros(entries, 1, dtype=I32, device="cuda")
+    for i, e in enumerate(long):
+        table[e] = torch.arange(i * pages, (i + 1) * pages, device="cuda")
+        lengths[e] = n
+    q = torch.randn(entries, 1, 32, DIM, generator=gen, device="cuda")
+    q = (q * 50).clamp(-448, 448).to(FP8)
+    weights = torch.randn(entries, 32, generator=gen, device="cuda") / 32**0.5
+    args = dict(q=(q, None), kv_cache=cache.view(-1, block, 1, DIM + 4),
+                weights=weights, seq_lens=lengths, block_table=table,
+                max_model_len=n)  # fmt: skip
+    theirs = _deep_gemm_logits(deep_gemm, args)[:, :n]
+    ours = SCORES(**args)
+    torch.cuda.synchronize()
+    ref, size = _reference(args)
+    after = long[1:]
+    before = [e - 1 for e in after]  # the context-0 entries
+    stale_q, stale_w = q.clone(), weights.clone()
+    stale_q[after], stale_w[after] = q[before], weights[before]
+    stale = _reference(dict(args, q=(stale_q, None), weights=stale_w))
+
+    def within(x, r, s):
+        return (x.double() - r).abs() <= s * 2.0**-9 + 1e-30
+
+    assert within(ours[long], ref[long], size[long]).all()
+    assert torch.equal(ours[0].view(I32), theirs[0].view(I32))
+    off = ~within(theirs[after], ref[after], size[after])
+    assert off.any(), "DeepGEMM held the definition after every context-0 entry"
+    assert within(theirs[after], stale[0][after], stale[1][after])[off].all()
