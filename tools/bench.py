@@ -432,18 +432,9 @@ def load_kernels(stock_topk_so: str | None, deep_gemm: str | None = None) -> Non
     the installed vLLM, put first on ``sys.path``; with ``deep_gemm``, the
     folder holding vLLM's vendored ``deep_gemm`` package."""
     sys.path.insert(0, str(ROOT))
-    if os.environ.get("KPOOL_KERNEL_ONLY") == "1":
-        from tools.kernel_env.shim import install_from_env
+    from tools import overlay
 
-        install_from_env()
-    elif "vllm" not in sys.modules:
-        from tools import overlay
-
-        stock = overlay.find_installed_vllm()
-        if stock is None:
-            sys.exit("no vllm installed: use the dev venv or KPOOL_KERNEL_ONLY=1")
-        log = partial(print, file=sys.stderr)
-        sys.path.insert(0, str(overlay.build_overlay(stock, log=log)))
+    overlay.import_patched("bench.py")
     from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits
     from vllm.models.glm5next.nvidia.ops import kpool_compress
     from vllm.models.glm5next.nvidia.specialized_decode import kpool

@@ -342,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="rewrite the blocks")
     parser.add_argument("--readme", type=Path, default=README)
     args = parser.parse_args(argv)
-    from tools.guard_table import import_patched_vllm
+    from tools import overlay
 
-    import_patched_vllm("readme_figures.py")
+    overlay.import_patched("readme_figures.py")
     if args.write:
         write(args.readme)
     found = problems(args.readme)
