@@ -133,19 +133,11 @@ def time_layers(sim, backend: str, geo, select: bool, seed: int) -> list[dict]:
                 medians = [statistics.median(t) for t in zip(*eager, strict=True)]
                 graph = [graph_us(run, s, layer, fwd) for s in run.sides]
                 for mode, (a, b) in (("eager", medians), ("graph", graph)):
-                    out.append(
-                        dict(
-                            mode=mode,
-                            backend=backend,
-                            layer=layer,
-                            requests=requests,
-                            next_n=next_n,
-                            rows=fwd.rows,
-                            stock_us=a,
-                            stage_us=b,
-                            ratio=a / b,
-                        )  # fmt: skip
-                    )
+                    out.append(dict(
+                        mode=mode, backend=backend, layer=layer, requests=requests,
+                        next_n=next_n, rows=fwd.rows, stock_us=a, stage_us=b,
+                        ratio=a / b,
+                    ))  # fmt: skip
             run.sim.sched.release(batch)
             torch.cuda.empty_cache()
     return out
