@@ -26,7 +26,6 @@ tensors on both sides; with ``--select`` the top-k is the wheel's own
 
 import argparse
 import contextlib
-import gc
 import itertools
 import json
 import random
@@ -144,23 +143,20 @@ def time_layers(sim, backend: str, geo, select: bool, seed: int) -> list[dict]:
 
 
 def eager_us(side, layer: int, fwd, calls: int = 30) -> float:
-    import torch
+    """µs per step of ``calls`` back-to-back steps, host counted, as
+    ``tools/bench.py`` times eager calls (``torch.utils.benchmark.Timer``:
+    synchronized at both ends, no garbage collection inside)."""
     from indexer_sim import context
+    from torch.utils.benchmark import Timer
 
     from vllm.forward_context import override_forward_context
 
+    def step():
+        with override_forward_context(context(fwd)):
+            side.layer_step(layer, fwd)
+
     with side.active():
-        gc.disable()  # a collection inside the loop would be charged to one side
-        try:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                with override_forward_context(context(fwd)):
-                    side.layer_step(layer, fwd)
-            torch.cuda.synchronize()
-            return (time.perf_counter() - start) * 1e6 / calls
-        finally:
-            gc.enable()
+        return Timer("step()", globals=dict(step=step)).timeit(calls).median * 1e6
 
 
 def graph_us(run, side, layer: int, fwd, steps: int = 10, replays: int = 20) -> float:
