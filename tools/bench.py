@@ -8,8 +8,8 @@ input copies larger than the L2 and gives its fraction of the bandwidth of
 with the host counted (``torch.utils.benchmark.Timer.timeit`` of back-to-back
 calls between two synchronizes, stock and ours alternated). Cases: ``--list``;
 every kernel is compiled and warmed on its inputs before any timing. Writes a
-JSON (``meta``; ``kernels`` and ``select`` rows; pairs [stock, ours]), with
-``--png`` a plot. Runs on the patched overlay of the installed vLLM or, with
+JSON (``meta``; ``kernels``, ``select`` and ``scores`` rows; pairs [stock,
+ours]). Runs on the patched overlay of the installed vLLM or, with
 ``KPOOL_KERNEL_ONLY=1``, on the kernel-only machine. A case that raises prints
 its traceback; the others still run and the exit status is 1."""
 
@@ -432,18 +432,9 @@ def load_kernels(stock_topk_so: str | None, deep_gemm: str | None = None) -> Non
     the installed vLLM, put first on ``sys.path``; with ``deep_gemm``, the
     folder holding vLLM's vendored ``deep_gemm`` package."""
     sys.path.insert(0, str(ROOT))
-    if os.environ.get("KPOOL_KERNEL_ONLY") == "1":
-        from tools.kernel_env.shim import install_from_env
+    from tools import overlay
 
-        install_from_env()
-    elif "vllm" not in sys.modules:
-        from tools import overlay
-
-        stock = overlay.find_installed_vllm()
-        if stock is None:
-            sys.exit("no vllm installed: use the dev venv or KPOOL_KERNEL_ONLY=1")
-        log = partial(print, file=sys.stderr)
-        sys.path.insert(0, str(overlay.build_overlay(stock, log=log)))
+    overlay.import_patched("bench.py")
     from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits
     from vllm.models.glm5next.nvidia.ops import kpool_compress
     from vllm.models.glm5next.nvidia.specialized_decode import kpool
@@ -502,8 +493,6 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
     add("--json", type=Path, default=Path("bench.json"), help="the results")
-    add("--png", type=Path, help="plot the ratios here too (needs matplotlib)")
-    add("--plot", type=Path, metavar="JSON", help="only plot a JSON (to --png)")
     add("--quick", action="store_true", help="a short subset")
     add("--cases", default="", metavar="REGEX", help="the cases whose name matches")
     add("--list", action="store_true", help="print the case names and stop")
@@ -517,25 +506,22 @@ def parse_args(argv=None):
     args.selected = [c for c in cases(args.plan) if re.search(args.cases, name(c))]
     so = args.stock_topk_so
     topk = any(part(c) in ("select", "scores") for c in args.selected)
-    if topk and not (args.list or args.plot or so and Path(so).is_file()):
+    if topk and not (args.list or so and Path(so).is_file()):
         p.error(f"the select and step cases need --stock-topk-so (not a file: {so})"
                 " or --cases")
     steps = any(part(c) == "scores" for c in args.selected)
-    if steps and not (args.list or args.plot or args.deep_gemm):
+    if steps and not (args.list or args.deep_gemm):
         p.error("the step cases need --deep-gemm (vLLM's vendored DeepGEMM) or --cases")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.plot:
-        plot(json.loads(args.plot.read_text()), args.png or Path("bench.png"))
-        return 0
     if args.list:
         print("\n".join(map(name, args.selected)))
         return 0
     if not torch.cuda.is_available():
-        sys.exit("tools/bench.py: the timing needs a CUDA GPU (--list, --plot do not)")
+        sys.exit("tools/bench.py: the timing needs a CUDA GPU (--list does not)")
     load_kernels(args.stock_topk_so, args.deep_gemm)
     import triton
 
@@ -553,57 +539,9 @@ def main(argv=None) -> int:
     write_json(args.json, meta, rows)
     failed = sum("error" in r for r in rows)
     print(f"wrote {args.json}: {meta['wall_s']} s, {failed} of {len(rows)} failed")
-    if args.png:
-        plot(json.loads(args.json.read_text()), args.png)
     return 1 if failed else 0
 
 
-def plot(data: dict, png: Path) -> None:
-    """Stock time over ours against rows: the kernels (graph, eager), the
-    upcast's fraction of the copy roofline, the top-k alone (graph) and the
-    post-logits chain (graph, eager). Failed rows are left out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def kernel(r):
-        shown = dict(scales="{}", tokens="{} tok", ends="{} ends", width="{}",
-                     path="{}", counts="counts {}")
-        return " ".join([r["case"], *(shown[k].format(v) for k, v in r.items()
-                                      if k in shown)])
-
-    fig, axes = plt.subplots(2, 3, figsize=(18, 10))
-    for ax in axes.flat:
-        ax.set_prop_cycle(color=plt.cm.tab20.colors)
-    panels = [(axes[0][0], "kernels", "graph_us", "kernels, CUDA graph"),
-              (axes[0][1], "kernels", "eager_us", "kernels, eager"),
-              (axes[0][2], "kernels", "roof", "upcast, CUDA graph"),
-              (axes[1][0], "select", "select_graph_us", "top-k alone, graph"),
-              (axes[1][1], "select", "chain_graph_us", "post-logits chain, graph"),
-              (axes[1][2], "select", "chain_eager_us", "post-logits chain, eager")]
-    for ax, part, key, title in panels:
-        series: dict = {}
-        for r in sorted((r for r in data[part] if key in r), key=lambda r: r["rows"]):
-            label = kernel(r) if part == "kernels" else f"{r['path']} {r['width']}"
-            ys = [(label, r[key][0] / r[key][1])]  # the roofline: each side's
-            ys = [("ours", r[key][1]), ("stock", r[key][0])] if key == "roof" else ys
-            for line, y in ys:
-                series.setdefault(line, []).append((r["rows"], y))
-        for line, points in sorted(series.items()):
-            style = "o-" if key in ("graph_us", "eager_us") else "o"
-            ax.plot(*zip(*points, strict=True), style, markersize=3, label=line)
-        ax.axhline(1, color="black", linewidth=0.8)
-        ylabel = "of the copy's GB/s" if key == "roof" else "stock / ours"
-        ax.set(title=title, xlabel="rows", ylabel=ylabel)
-        ax.set_xscale("log", base=2)
-        ax.legend(fontsize=6)
-    m = data["meta"]
-    fig.suptitle(f"{m['gpu']}, torch {m['torch']}, triton {m['triton']}, commit "
-                 f"{m['commit']}, {m['date']}, copy {m['copy_gbs']:.0f} GB/s")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    print(f"wrote {png}")
 # fmt: on
 
 

@@ -69,31 +69,14 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-def import_patched_vllm(tool: str = "guard_table.py") -> None:
-    """The patched vLLM as the root conftest makes it importable (also
-    ``readme_figures.py``'s)."""
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    sys.path.insert(0, str(REPO))
-    if os.environ.get("KPOOL_KERNEL_ONLY") == "1":
-        from tools.kernel_env.shim import install_from_env
-
-        return install_from_env()
-    if not os.path.exists("/dev/nvidiactl"):
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    from tools import overlay
-
-    stock = overlay.find_installed_vllm()
-    if stock is None:
-        sys.exit(f"{tool}: no vllm installed; set KPOOL_KERNEL_ONLY=1")
-    sys.path.insert(0, str(overlay.build_overlay(stock, log=lambda m: None)))
-
-
 if __name__ == "__main__":
     stdout = os.dup(1)
     os.dup2(2, 1)  # whatever the imports and the stock kernels print: stderr
     try:
-        import_patched_vllm()
+        sys.path.insert(0, str(REPO))
+        from tools import overlay
+
+        overlay.import_patched("guard_table.py")
         text = markdown()
     finally:
         sys.stdout.flush()

@@ -26,12 +26,9 @@ tensors on both sides; with ``--select`` the top-k is the wheel's own
 
 import argparse
 import contextlib
-import gc
 import itertools
 import json
-import os
 import random
-import shutil
 import statistics
 import sys
 import time
@@ -44,26 +41,12 @@ BATCHES = ((1, 1), (8, 1), (32, 1), (8, 2), (32, 2), (8, 4), (32, 4))
 
 
 def setup(cpu: bool) -> str:
-    """Makes the patched vLLM and the simulator importable: the kernel-only
-    shim with ``KPOOL_KERNEL_ONLY=1``, else the patched overlay of the
-    installed vllm (as the root conftest builds it)."""
-    if cpu or shutil.which("nvidia-smi") is None:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile without a GPU
+    """Makes the patched vLLM (``overlay.import_patched``) and the simulator
+    importable; says which vLLM."""
     sys.path[:0] = [str(ROOT), str(ROOT / "tests/models/glm5next")]
-    if os.environ.get("KPOOL_KERNEL_ONLY") == "1":
-        from tools.kernel_env.shim import install_from_env
-
-        install_from_env()
-        return "kernel-only shim"
     from tools import overlay
 
-    stock = overlay.find_installed_vllm()
-    if stock is None:
-        sys.exit("indexer_steps.py: no vllm installed; set KPOOL_KERNEL_ONLY=1")
-    sys.path.insert(0, str(overlay.build_overlay(stock)))
-    return "patched overlay"
+    return overlay.import_patched("indexer_steps.py", cpu=cpu)
 
 
 def arguments() -> argparse.Namespace:
@@ -103,31 +86,20 @@ def matrix(args) -> list[tuple[str, str, str, int]]:
     )
 
 
-def wheel_topk(torch, workspace):
-    """``get_indexer_topk`` as 0.33.0's ``auto`` picks it for GLM-5-Next's
-    decode: ``cooperative_topk`` up to 64 rows, else ``persistent_topk``."""
-
-    def topk(logits, seq_lens, next_n, out, k, max_seq_len):
-        ops = torch.ops._C
-        op = ops.cooperative_topk if logits.shape[0] <= 64 else ops.persistent_topk
-        op(logits, seq_lens.reshape(-1), out, workspace, k, max_seq_len)
-
-    return lambda backend=None: topk
-
-
 def time_layers(sim, backend: str, geo, select: bool, seed: int) -> list[dict]:
     """Per layer and batch: ``{mode, backend, layer, requests, next_n, rows,
     stock_us, stage_us, ratio}`` (ratio: stock / stage)."""
     import pytest
     import torch
 
+    from tools.kernel_env.stock_topk import StockTopk
     from vllm.models.glm5next.nvidia import sparse_indexer
 
     rng, out, device = random.Random(seed), [], torch.device("cuda")
     with pytest.MonkeyPatch.context() as patch, contextlib.ExitStack() as stack:
         run = sim.Run(sim.Config(backend, geo=geo, select=select), device, patch)
         run.setup(stack, watch=False)
-        workspace = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+        wheel = StockTopk(device)  # get_indexer_topk("auto") of the wheel
         for requests, next_n in BATCHES:
             if requests * next_n > geo.capacity:
                 continue
@@ -147,7 +119,10 @@ def time_layers(sim, backend: str, geo, select: bool, seed: int) -> list[dict]:
             def copy(logits, seq_lens, next_n, out, k, max_seq_len, ids=ids):
                 out.copy_(ids[: out.shape[0], : out.shape[1]])
 
-            topk = wheel_topk(torch, workspace) if select else lambda b=None: copy
+            def auto(logits, seq_lens, next_n, out, k, max_seq_len):
+                wheel(logits, seq_lens, out, k, max_seq_len)
+
+            topk = (lambda b=None: auto) if select else lambda b=None: copy
             sim.references(patch, [sparse_indexer], device, stored, topk)
             for side in run.sides:
                 side.run(fwd)  # the inputs in place; warm
@@ -157,42 +132,31 @@ def time_layers(sim, backend: str, geo, select: bool, seed: int) -> list[dict]:
                 medians = [statistics.median(t) for t in zip(*eager, strict=True)]
                 graph = [graph_us(run, s, layer, fwd) for s in run.sides]
                 for mode, (a, b) in (("eager", medians), ("graph", graph)):
-                    out.append(
-                        dict(
-                            mode=mode,
-                            backend=backend,
-                            layer=layer,
-                            requests=requests,
-                            next_n=next_n,
-                            rows=fwd.rows,
-                            stock_us=a,
-                            stage_us=b,
-                            ratio=a / b,
-                        )  # fmt: skip
-                    )
+                    out.append(dict(
+                        mode=mode, backend=backend, layer=layer, requests=requests,
+                        next_n=next_n, rows=fwd.rows, stock_us=a, stage_us=b,
+                        ratio=a / b,
+                    ))  # fmt: skip
             run.sim.sched.release(batch)
             torch.cuda.empty_cache()
     return out
 
 
 def eager_us(side, layer: int, fwd, calls: int = 30) -> float:
-    import torch
+    """µs per step of ``calls`` back-to-back steps, host counted, as
+    ``tools/bench.py`` times eager calls (``torch.utils.benchmark.Timer``:
+    synchronized at both ends, no garbage collection inside)."""
     from indexer_sim import context
+    from torch.utils.benchmark import Timer
 
     from vllm.forward_context import override_forward_context
 
+    def step():
+        with override_forward_context(context(fwd)):
+            side.layer_step(layer, fwd)
+
     with side.active():
-        gc.disable()  # a collection inside the loop would be charged to one side
-        try:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                with override_forward_context(context(fwd)):
-                    side.layer_step(layer, fwd)
-            torch.cuda.synchronize()
-            return (time.perf_counter() - start) * 1e6 / calls
-        finally:
-            gc.enable()
+        return Timer("step()", globals=dict(step=step)).timeit(calls).median * 1e6
 
 
 def graph_us(run, side, layer: int, fwd, steps: int = 10, replays: int = 20) -> float:
@@ -272,7 +236,9 @@ def main() -> int:
         if args.select and not (args.stock_topk_so and args.stock_topk_so.is_file()):
             sys.exit("--time with --select: --stock-topk-so names no file")
         if args.select:
-            torch.ops.load_library(str(args.stock_topk_so))
+            from tools.kernel_env import stock_topk
+
+            stock_topk.load(str(args.stock_topk_so))
         meta["timing_unit"] = "indexer decode step + its top-k conversion"
         for backend in args.backends.split(","):
             timing += time_layers(sim, backend, geo, args.select, seed)

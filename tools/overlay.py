@@ -101,6 +101,31 @@ def build_overlay(stock_pkg, cache_root=OVERLAY_DIR, ps=None, *, log=None) -> Pa
     return final
 
 
+def import_patched(tool: str, *, cpu: bool = False) -> str:
+    """Makes ``import vllm`` give the patched vLLM in a tool's process, as the
+    root conftest does: the kernel-only shim with ``KPOOL_KERNEL_ONLY=1``
+    (says "kernel-only shim"), else this overlay of the installed vllm first
+    on ``sys.path`` ("patched overlay"; kept where vllm is imported already).
+    Without a GPU, or with ``cpu``, the stock Triton kernels run interpreted
+    and the CuTe DSL compiles for sm_90a."""
+    no_gpu = shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl")
+    if cpu or no_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    if str(patchset.REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(patchset.REPO_ROOT))
+    from tools.kernel_env.shim import install_from_env
+
+    if install_from_env():
+        return "kernel-only shim"
+    if "vllm" not in sys.modules:
+        if (stock := find_installed_vllm()) is None:
+            sys.exit(f"{tool}: no vllm installed; use the venv or KPOOL_KERNEL_ONLY=1")
+        sys.path.insert(0, str(build_overlay(stock)))
+    return "patched overlay"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.parse_args(argv)

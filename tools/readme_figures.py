@@ -155,36 +155,26 @@ def tail_block(data: dict) -> str:
     return "\n".join([*lines, "", rest])
 
 
-def one_wave_rows(rows: list[dict]) -> list[dict]:
-    """The rows where the stage runs the select on an H200."""
+def one_wave(rows: int, width: int, path: str = "sm90-flashinfer") -> bool:
+    """Whether the stage runs the select on an H200 (the patched vLLM's rule)."""
     import torch
 
-    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
-        one_wave,
-    )
+    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import launch
 
     dtype = {"sm90-flashinfer": torch.float32, "sm100-flashinfer": torch.bfloat16}
-    return [
-        r for r in rows if one_wave(r["rows"], r["width"], dtype[r["path"]], H200_SMS)
-    ]
+    return launch.one_wave(rows, width, dtype[path], H200_SMS)
 
 
 def max_one_wave_rows(width: int) -> int:
-    import torch
-
-    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
-        one_wave,
-    )
-
     rows = 1
-    while one_wave(rows + 1, width, torch.float32, H200_SMS):
+    while one_wave(rows + 1, width):
         rows += 1
     return rows
 
 
 @block("select", "docs/bench-select-h200.json")
 def select_block(data: dict) -> str:
-    runs = one_wave_rows(data["select"])
+    runs = [r for r in data["select"] if one_wave(r["rows"], r["width"], r["path"])]
     past = [r for r in data["select"] if r not in runs and r["logits"] == "randn"]
     fp32 = [r for r in runs if r["path"] == "sm90-flashinfer"]
     bf16 = [r for r in runs if r["path"] == "sm100-flashinfer"]
@@ -342,9 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="rewrite the blocks")
     parser.add_argument("--readme", type=Path, default=README)
     args = parser.parse_args(argv)
-    from tools.guard_table import import_patched_vllm
+    from tools import overlay
 
-    import_patched_vllm("readme_figures.py")
+    overlay.import_patched("readme_figures.py")
     if args.write:
         write(args.readme)
     found = problems(args.readme)

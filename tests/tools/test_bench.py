@@ -4,7 +4,7 @@
 the cases it covers, the indexer-like logits' shares, every case's inputs
 taken by both sides (stock's kernels run under the Triton interpreter, ours
 through each kernel's own rule and compile-key dispatch, ``spec``), the
-JSON of a small run through the timing core, and the plot."""
+JSON of a small run through the timing core."""
 
 import itertools
 import json
@@ -229,24 +229,3 @@ def test_a_small_run_writes_each_row_s_figures(monkeypatch, tmp_path, capsys):
     assert failed == dict(case="expand", rows=2, error="RuntimeError: exploded")
     err = capsys.readouterr()
     assert "Traceback" in err.err and "FAILED RuntimeError: exploded" in err.out
-
-
-def test_the_plot_of_a_json(tmp_path):
-    pytest.importorskip("matplotlib")
-    meta = dict(gpu="H200", torch="2", triton="3", commit="abc", date="today",
-                copy_gbs=2700.0)  # fmt: skip
-    pair = dict(graph_us=[2.0, 1.0], eager_us=[9.0, 3.0])
-    kernels = [
-        dict(case="update", scales="mx", rows=1, tokens=1, **pair),
-        dict(case="update", scales="mx", rows=8, tokens=1, **pair),
-        dict(case="upcast", ends="full", rows=8, width=16384, roof=[0.5, 0.9], **pair),
-        dict(case="remap", counts=True, rows=8, error="RuntimeError: x"),
-    ]
-    figures = dict(select_graph_us=[9.0, 5.0], chain_graph_us=[12.0, 6.0],
-                   chain_eager_us=[80.0, 20.0])  # fmt: skip
-    case = dict(path="sm90-flashinfer", rows=8, width=65536, context="full")
-    select = [dict(case, logits="randn", **figures)]
-    path = tmp_path / "bench.json"
-    path.write_text(json.dumps(dict(meta=meta, kernels=kernels, select=select)))
-    assert bench.main(["--plot", str(path), "--png", str(tmp_path / "b.png")]) == 0
-    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"

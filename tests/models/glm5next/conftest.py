@@ -147,21 +147,10 @@ def deployment(**overrides):
 def one_cpu_rank(tmp_path):
     """vLLM's distributed environment and model parallel groups over one
     CPU process (gloo): tensor, pipeline, data and expert parallel size 1."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
+    from warmup_ranks import cpu_ranks
 
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
-        parallel_state.init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"file://{tmp_path}/group",
-            local_rank=0,
-            backend="gloo",
-        )
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
-    parallel_state.destroy_distributed_environment()
+    with cpu_ranks(1, 0, f"file://{tmp_path}/group"):
+        yield
 
 
 @pytest.fixture

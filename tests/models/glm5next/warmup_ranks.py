@@ -9,8 +9,10 @@ rank's compile raise. Prints one JSON line: per scenario, whether the stage
 got its executors, its warmup log lines and what it raised.
 
 Run as ``python warmup_ranks.py RANK WORLD PORT`` (the patched vLLM on
-``PYTHONPATH``, as the tests' conftest.py exports it)."""
+``PYTHONPATH``, as the tests' conftest.py exports it). ``cpu_ranks`` is
+also the conftest's ``one_cpu_rank``."""
 
+import contextlib
 import json
 import logging
 import sys
@@ -70,23 +72,29 @@ def run(rank: int, mode: str, fails, raises) -> dict:
     return dict(on=bool(stage.executors), lines=lines.lines, raised=raised)
 
 
-def main(rank: int, world: int, port: int) -> None:
+@contextlib.contextmanager
+def cpu_ranks(world: int, rank: int, init_method: str):
+    """vLLM's distributed environment and model parallel groups over
+    ``world`` CPU processes (gloo), one TP group of all; torn down after."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
 
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
         parallel_state.init_distributed_environment(
-            world_size=world,
-            rank=rank,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            local_rank=rank,
-            backend="gloo",
+            world, rank, init_method, local_rank=rank, backend="gloo"
         )
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    results = [run(rank, *scenario) for scenario in SCENARIOS]
-    print(json.dumps(dict(rank=rank, results=results)), flush=True)
-    parallel_state.destroy_model_parallel()
-    parallel_state.destroy_distributed_environment()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+
+
+def main(rank: int, world: int, port: int) -> None:
+    with cpu_ranks(world, rank, f"tcp://127.0.0.1:{port}"):
+        results = [run(rank, *scenario) for scenario in SCENARIOS]
+        print(json.dumps(dict(rank=rank, results=results)), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,33 +5,19 @@ layouts (so that a run compiles few variants), and its case from
 ``cases.py`` (the self-check's); ``about``, a case's shapes for a failure
 message; ``stock_scales``, the scale format stock's update writes."""
 
-import contextlib
 import random
+from unittest import mock
 
 import torch
 
 from vllm.models.glm5next.nvidia.ops import kpool_compress
 from vllm.models.glm5next.nvidia.specialized_decode import cases
 from vllm.models.glm5next.nvidia.specialized_decode.constants import DIM
-from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand.launch import (
-    EXPAND,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.remap.launch import (
-    REMAP,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.kernel import (
-    CAPACITIES,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
-    CLUSTERS,
-    SELECT,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.upcast.launch import (
-    UPCAST,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.update.launch import (
-    UPDATE,
-)
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand.launch import EXPAND
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.remap.launch import REMAP
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import kernel, launch
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.upcast.launch import UPCAST
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.update.launch import UPDATE
 
 INDICES = (torch.int32, torch.int64)
 # (ring, page, page padding bytes, half and block padding elements): 12 and
@@ -49,20 +35,14 @@ BLOCKS = ((4, 4), (12, 12), (16, 48), (48, 52), (64, 64), (64, 128), (256, 256))
 # The cluster choice's edges (1 CTA below 16384 columns, 16 from 131072 at
 # few rows), odd widths, the widest the kernel takes.
 SELECT_WIDTHS = (1, 7, 511, 512, 513, 4096, 5000, 16384, 65536, 131080, 262144)
-SELECT_WIDEST = CLUSTERS[-1] * CAPACITIES[-1]
+SELECT_WIDEST = launch.CLUSTERS[-1] * kernel.CAPACITIES[-1]
 SELECT_ROWS = (1, 2, 3, 4, 8, 16, 33, 64, 256)
 
 
-@contextlib.contextmanager
 def stock_scales(mx: bool):
     """Stock's update writes MX scales (``mx``) or FP32 ones, as the
-    process's ``mqa_logits_use_mx_scales()`` would say."""
-    saved = kpool_compress.mqa_logits_use_mx_scales
-    kpool_compress.mqa_logits_use_mx_scales = lambda: mx
-    try:
-        yield
-    finally:
-        kpool_compress.mqa_logits_use_mx_scales = saved
+    process's ``mqa_logits_use_mx_scales()`` would say (a context)."""
+    return mock.patch.object(kpool_compress, "mqa_logits_use_mx_scales", lambda: mx)
 
 
 def update_key(rng: random.Random):
@@ -120,7 +100,7 @@ def select_case(rng: random.Random, gen, sms: int) -> cases.Case:
     rows = max(1, min(rows, (1 << 23) // width))
     dtype = rng.choice([torch.float32, torch.bfloat16])
     k = rng.choice([512, 512, 512, 1, 2048])
-    key = SELECT.dispatch(k=k, dtype=dtype, rows=rows, width=width, sms=sms)
+    key = launch.SELECT.dispatch(k=k, dtype=dtype, rows=rows, width=width, sms=sms)
     return cases.select_rows_case(rng, gen, key, rows, width)
 
 

@@ -30,6 +30,11 @@ import pytest
 import torch
 from rule_layouts import LAYOUTS, contiguous, like, span
 
+import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand.launch as expand
+import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.remap.launch as remap
+import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch as select
+import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.upcast.launch as upcast
+import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.update.launch as update
 from vllm.models.glm5next.nvidia.specialized_decode import cases
 from vllm.models.glm5next.nvidia.specialized_decode.constants import (
     INT32_MAX,
@@ -37,21 +42,6 @@ from vllm.models.glm5next.nvidia.specialized_decode.constants import (
     MAX_GROUPS,
 )
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common import host
-from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand import (
-    launch as expand,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.remap import (
-    launch as remap,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import (
-    launch as select,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.upcast import (
-    launch as upcast,
-)
-from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.update import (
-    launch as update,
-)
 
 LAUNCH_MODULES = (update, expand, remap, upcast, select)
 F64 = torch.float64
@@ -92,43 +82,26 @@ def allow_cpu():
 # A GLM-5-Next deployment's keys: an 8-token tail ring, 64-token pages, the
 # indexer's int32 positions and int64 slots; 512 pools in 2176 columns,
 # 64-token MLA blocks; a 4096-pool select of k 512.
+# fmt: off
 KEYS = {
     update.UPDATE: dict(
-        ring=8,
-        page=64,
-        page_bytes=64 * 132,
-        tail_block=2 * 8 * 128,
-        tail_half=8 * 128,
-        mx_scales=True,
-        round_scale=True,
-        tail_slots_dtype=torch.int64,
-        slots_dtype=torch.int64,
-        positions_dtype=torch.int32,
+        ring=8, page=64, page_bytes=64 * 132, tail_block=2 * 8 * 128, tail_half=8 * 128,
+        mx_scales=True, round_scale=True, tail_slots_dtype=torch.int64,
+        slots_dtype=torch.int64, positions_dtype=torch.int32,
     ),
     expand.EXPAND: dict(groups=512, seq_lens_dtype=torch.int64, int32_lengths=True),
     remap.REMAP: dict(
-        groups=512,
-        width=2176,
-        block_size=64,
-        stride_rows=64,
-        positions_dtype=torch.int64,
-        int32_lengths=True,
-        counts=True,
+        groups=512, width=2176, block_size=64, stride_rows=64,
+        positions_dtype=torch.int64, int32_lengths=True, counts=True,
     ),
     upcast.UPCAST: {},
     select.SELECT: dict(k=512, dtype=torch.float32, rows=4, width=4096, sms=SMS),
 }
 # The seed of each kernel's base case: a few rows (the remap's: 8, 2 expanded;
 # the select's: 23 of 4096 columns).
-SEEDS = {
-    update.UPDATE: 7,
-    expand.EXPAND: 4,
-    remap.REMAP: 8,
-    upcast.UPCAST: 5,
-    select.SELECT: 17,
-}
-
-
+SEEDS = {update.UPDATE: 7, expand.EXPAND: 4, remap.REMAP: 8, upcast.UPCAST: 5,
+         select.SELECT: 17}
+# fmt: on
 @functools.cache
 def base_case(kernel) -> cases.Case:
     """The kernel's valid case the edges change (drawn once, where the stock

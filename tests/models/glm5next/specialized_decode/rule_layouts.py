@@ -3,7 +3,11 @@
 """Each kernel's layouts at the edges of its rule: the dtypes, strides and
 alignments its accesses take or not, as changes of its base case's
 arguments with the argument the rule must name (None: taken). ``edges()``
-of ``rule_edges.py`` lists them with the shape, scalar and type edges."""
+of ``rule_edges.py`` lists them with the shape, scalar and type edges.
+
+A table row is ``(name, refused, {argument: change})``: a change is a dict
+of ``like``'s keywords for that argument of the base case (a shape without
+strides gets contiguous ones), or the value itself (None, a bool, an int)."""
 
 import torch
 
@@ -30,427 +34,257 @@ def like(tensor, *, shape=None, stride=None, dtype=None, offset=0, device=None):
     return buffer.as_strided(shape, stride, offset)
 
 
+def dense(shape) -> tuple:
+    return torch.empty(shape, device="meta").stride()
+
+
 def contiguous(tensor, *shape):
     """``like(tensor)`` of ``shape`` with contiguous strides."""
-    return like(tensor, shape=shape, stride=torch.empty(shape, device="meta").stride())
+    return like(tensor, shape=shape, stride=dense(shape))
+
+
+def rows(a: dict, table) -> list:
+    """``(name, changes, refused)`` of each ``(name, refused, changes)``."""
+
+    def change(t, v):
+        if not isinstance(v, dict):
+            return v
+        return like(t, **({"stride": dense(v["shape"])} if "shape" in v else {}) | v)
+
+    return [(n, {k: change(a.get(k), v) for k, v in c.items()}, r) for n, r, c in table]
 
 
 def update_layouts(a: dict) -> list:
-    """(name, changes, the argument refused or None): what the kernel's 4-
-    and 8-byte accesses take: a uint8 cache of 4-byte aligned pages and unit
-    byte stride; a BF16 tail whose rows are 8-byte aligned, 128 elements
-    apart; BF16 keys and scores of unit dim stride, 8-byte aligned rows; a
-    contiguous 16-byte aligned FP32 APE; contiguous int32/int64 indices."""
-    kv, tail, key, score, ape = (
-        a[n] for n in ("kv_cache", "tail_kv_cache", "key", "slot_score", "ape")
-    )
+    """What the kernel's 4- and 8-byte accesses take: a uint8 cache of
+    4-byte aligned pages and unit byte stride; a BF16 tail whose rows are
+    8-byte aligned, 128 elements apart; BF16 keys and scores of unit dim
+    stride, 8-byte aligned rows; a contiguous 16-byte aligned FP32 APE;
+    contiguous int32/int64 indices."""
+    kv, tail, key = a["kv_cache"], a["tail_kv_cache"], a["key"]
     (blocks, _, ring, _), (requests, tokens, _) = tail.shape, key.shape
-    page_bytes, half = kv.stride(0), tail.stride(1)
+    page, half = kv.stride(0), tail.stride(1)
+    c, t, k, s = "kv_cache", "tail_kv_cache", "key", "slot_score"
+    indices = ("tail_slot_mapping", "slot_mapping", "positions")
 
-    def strides(t, *stride, offset=0):
-        return like(t, stride=stride, offset=offset)
+    def row(n, offset=0):  # keys' or scores' rows n elements apart
+        return dict(stride=(tokens * n, n, 1), offset=offset)
 
-    def rows(t, row, offset=0):
-        return strides(t, tokens * row, row, 1, offset=offset)
+    def shaped(r, n):  # keys, scores and indices of r requests x n tokens
+        return {x: dict(shape=(r, n, *a[x].shape[2:])) for x in (k, s, *indices)}
 
-    found = [
-        ("kv int8", dict(kv_cache=like(kv, dtype=torch.int8)), "kv_cache"),
-        (
-            "kv 2-d",
-            dict(kv_cache=like(kv, shape=kv.shape[:2], stride=kv.stride()[:2])),
-            "kv_cache",
-        ),
-        (
-            "kv byte stride 2",
-            dict(kv_cache=strides(kv, 2 * page_bytes, 264, 2)),
-            "kv_cache",
-        ),
-        ("kv byte stride 0", dict(kv_cache=strides(kv, 64, 1, 0)), "kv_cache"),
-        (
-            "kv page stride + 2",
-            dict(kv_cache=strides(kv, page_bytes + 2, 132, 1)),
-            "kv_cache",
-        ),
-        ("kv misaligned", dict(kv_cache=like(kv, offset=2)), "kv_cache"),
-        (
-            "kv pages padded",
-            dict(kv_cache=strides(kv, page_bytes + 8, 132, 1, offset=4)),
-            None,
-        ),
-        ("tail fp16", dict(tail_kv_cache=like(tail, dtype=F16)), "tail_kv_cache"),
-        (
-            "tail 3-d",
-            dict(
-                tail_kv_cache=like(
-                    tail, shape=(blocks, 2 * ring, DIM), stride=(2 * half, DIM, 1)
-                )
-            ),
-            "tail_kv_cache",
-        ),
-        (
-            "tail dim stride 2",
-            dict(tail_kv_cache=strides(tail, 4 * half, 2 * half, 2 * DIM, 2)),
-            "tail_kv_cache",
-        ),
-        (
-            "tail rows 132 apart",
-            dict(tail_kv_cache=strides(tail, 2 * ring * 132, ring * 132, 132, 1)),
-            "tail_kv_cache",
-        ),
-        (
-            "tail half stride + 2",
-            dict(tail_kv_cache=strides(tail, 2 * half + 4, half + 2, DIM, 1)),
-            "tail_kv_cache",
-        ),
-        (
-            "tail block stride + 2",
-            dict(tail_kv_cache=strides(tail, 2 * half + 2, half, DIM, 1)),
-            "tail_kv_cache",
-        ),
-        ("tail misaligned", dict(tail_kv_cache=like(tail, offset=2)), "tail_kv_cache"),
-        (
-            "tail padded",
-            dict(tail_kv_cache=strides(tail, 2 * half + 8, half + 4, DIM, 1, offset=4)),
-            None,
-        ),
-        ("key fp16", dict(key=like(key, dtype=F16)), "key"),
-        (
-            "key 2-d",
-            dict(key=like(key, shape=(requests * tokens, DIM), stride=(DIM, 1))),
-            "key",
-        ),
-        (
-            "key dim stride 2",
-            dict(key=strides(key, tokens * 2 * DIM, 2 * DIM, 2)),
-            "key",
-        ),
-        ("key rows 130 apart", dict(key=rows(key, 130)), "key"),
-        (
-            "key requests + 2 apart",
-            dict(key=strides(key, tokens * DIM + 2, DIM, 1)),
-            "key",
-        ),
-        ("key misaligned", dict(key=like(key, offset=2)), "key"),
-        ("score fp16", dict(slot_score=like(score, dtype=F16)), "slot_score"),
-        ("score rows 130 apart", dict(slot_score=rows(score, 130)), "slot_score"),
-        ("score misaligned", dict(slot_score=like(score, offset=1)), "slot_score"),
-        (
-            "key and score rows padded",
-            dict(key=rows(key, 140, 4), slot_score=rows(score, 132)),
-            None,
-        ),
-        ("ape bf16", dict(ape=like(ape, dtype=BF16)), "ape"),
-        ("ape transposed", dict(ape=strides(ape, 1, POOL)), "ape"),
-        ("ape misaligned", dict(ape=like(ape, offset=2)), "ape"),
-        ("ape 16 bytes in", dict(ape=like(ape, offset=4)), None),
-        ("fp32 scales", dict(mx_scales=False, round_scale=False), None),
-        (
-            "ring 12",
-            dict(
-                tail_kv_cache=like(
-                    tail,
-                    shape=(blocks, 2, 12, DIM),
-                    stride=(24 * DIM, 12 * DIM, DIM, 1),
-                )
-            ),
-            None,
-        ),
-        ("no requests", _requests(a, 0, tokens), None),
-        ("no tokens", _requests(a, requests, 0), None),
+    # fmt: off
+    table = [
+        ("kv int8", c, {c: dict(dtype=torch.int8)}),
+        ("kv 2-d", c, {c: dict(shape=kv.shape[:2], stride=kv.stride()[:2])}),
+        ("kv byte stride 2", c, {c: dict(stride=(2 * page, 264, 2))}),
+        ("kv byte stride 0", c, {c: dict(stride=(64, 1, 0))}),
+        ("kv page stride + 2", c, {c: dict(stride=(page + 2, 132, 1))}),
+        ("kv misaligned", c, {c: dict(offset=2)}),
+        ("kv pages padded", None, {c: dict(stride=(page + 8, 132, 1), offset=4)}),
+        ("tail fp16", t, {t: dict(dtype=F16)}),
+        ("tail 3-d", t,
+         {t: dict(shape=(blocks, 2 * ring, DIM), stride=(2 * half, DIM, 1))}),
+        ("tail dim stride 2", t, {t: dict(stride=(4 * half, 2 * half, 2 * DIM, 2))}),
+        ("tail rows 132 apart", t, {t: dict(stride=(264 * ring, 132 * ring, 132, 1))}),
+        ("tail half stride + 2", t, {t: dict(stride=(2 * half + 4, half + 2, DIM, 1))}),
+        ("tail block stride + 2", t, {t: dict(stride=(2 * half + 2, half, DIM, 1))}),
+        ("tail misaligned", t, {t: dict(offset=2)}),
+        ("tail padded", None,
+         {t: dict(stride=(2 * half + 8, half + 4, DIM, 1), offset=4)}),
+        ("key fp16", k, {k: dict(dtype=F16)}),
+        ("key 2-d", k, {k: dict(shape=(requests * tokens, DIM))}),
+        ("key dim stride 2", k, {k: dict(stride=(tokens * 2 * DIM, 2 * DIM, 2))}),
+        ("key rows 130 apart", k, {k: row(130)}),
+        ("key requests + 2 apart", k, {k: dict(stride=(tokens * DIM + 2, DIM, 1))}),
+        ("key misaligned", k, {k: dict(offset=2)}),
+        ("score fp16", s, {s: dict(dtype=F16)}),
+        ("score rows 130 apart", s, {s: row(130)}),
+        ("score misaligned", s, {s: dict(offset=1)}),
+        ("key and score rows padded", None, {k: row(140, 4), s: row(132)}),
+        ("ape bf16", "ape", {"ape": dict(dtype=BF16)}),
+        ("ape transposed", "ape", {"ape": dict(stride=(1, POOL))}),
+        ("ape misaligned", "ape", {"ape": dict(offset=2)}),
+        ("ape 16 bytes in", None, {"ape": dict(offset=4)}),
+        ("fp32 scales", None, dict(mx_scales=False, round_scale=False)),
+        ("ring 12", None, {t: dict(shape=(blocks, 2, 12, DIM))}),
+        ("no requests", None, shaped(0, tokens)),
+        ("no tokens", None, shaped(requests, 0)),
     ]
-    for name in ("tail_slot_mapping", "slot_mapping", "positions"):
-        t = a[name]
-        found += [
-            (f"{name} float", {name: like(t, dtype=F32)}, name),
-            (f"{name} int16", {name: like(t, dtype=I16)}, name),
-            (f"{name} strided", {name: strides(t, 2 * tokens, 2)}, name),
-            (
-                f"{name} {'int32' if t.dtype == I64 else 'int64'}",
-                {name: like(t, dtype=I32 if t.dtype == I64 else I64)},
-                None,
-            ),
+    # fmt: on
+    for n in indices:
+        other = I32 if a[n].dtype == I64 else I64
+        table += [
+            (f"{n} float", n, {n: dict(dtype=F32)}),
+            (f"{n} int16", n, {n: dict(dtype=I16)}),
+            (f"{n} strided", n, {n: dict(stride=(2 * tokens, 2))}),
+            (f"{n} {str(other)[6:]}", None, {n: dict(dtype=other)}),
         ]
-    return found
-
-
-def _requests(a: dict, requests: int, tokens: int) -> dict:
-    """Keys, scores and index tensors of ``requests`` x ``tokens``."""
-    shaped = {}
-    for name in ("key", "slot_score", "tail_slot_mapping", "slot_mapping", "positions"):
-        t = a[name]
-        size = (requests, tokens, *t.shape[2:])
-        shaped[name] = like(
-            t, shape=size, stride=torch.empty(size, device="meta").stride()
-        )
-    return shaped
+    return rows(a, table)
 
 
 def expand_layouts(a: dict) -> list:
-    """(name, changes, the argument refused or None): int32 pool ids of unit
-    column stride; an int32 ``out`` of unit column stride, its rows 16-byte
-    aligned; int32/int64 lengths of unit stride."""
-    ids, lens, out = a["pool_ids"], a["seq_lens"], a["out"]
-    rows, groups = ids.shape
-    cols = groups * POOL + POOL - 1
-    width = out.shape[1]
-    return [
-        ("ids int64", dict(pool_ids=like(ids, dtype=I64)), "pool_ids"),
-        ("ids 1-d", dict(pool_ids=like(ids, shape=(groups,), stride=(1,))), "pool_ids"),
-        (
-            "ids column stride 2",
-            dict(pool_ids=like(ids, stride=(2 * groups, 2))),
-            "pool_ids",
-        ),
-        ("ids column stride 0", dict(pool_ids=like(ids, stride=(1, 0))), "pool_ids"),
-        (
-            "ids rows padded",
-            dict(pool_ids=like(ids, stride=(groups + 1, 1), offset=1)),
-            None,
-        ),
-        ("out int64", dict(out=like(out, dtype=I64)), "out"),
-        ("out 1-d", dict(out=like(out, shape=(width,), stride=(1,))), "out"),
-        ("out column stride 2", dict(out=like(out, stride=(2 * width, 2))), "out"),
-        ("out row stride + 2", dict(out=like(out, stride=(width + 2, 1))), "out"),
-        ("out misaligned", dict(out=like(out, offset=2)), "out"),
-        ("out exact width", dict(out=like(out, shape=(rows, cols))), None),
-        (
-            "out rows padded",
-            dict(out=like(out, shape=(rows, cols), stride=(cols + 1, 1), offset=4)),
-            None,
-        ),
-        ("lens int16", dict(seq_lens=like(lens, dtype=torch.int16)), "seq_lens"),
-        ("lens float", dict(seq_lens=like(lens, dtype=torch.float32)), "seq_lens"),
-        (
-            "lens 2-d",
-            dict(seq_lens=like(lens, shape=(rows, 1), stride=(1, 1))),
-            "seq_lens",
-        ),
-        ("lens strided", dict(seq_lens=like(lens, stride=(2,))), "seq_lens"),
-        ("lens stride 0", dict(seq_lens=like(lens, stride=(0,))), "seq_lens"),
-        ("lens int32", dict(seq_lens=like(lens, dtype=I32)), None),
-        ("int32 lengths off", dict(int32_lengths=False), None),
-        (
-            "no pools",
-            dict(
-                pool_ids=like(ids, shape=(rows, 0)),
-                out=like(out, shape=(rows, 4), stride=(4, 1)),
-            ),
-            None,
-        ),
-        (
-            "no rows",
-            dict(
-                pool_ids=like(ids, shape=(0, groups)), out=like(out, shape=(0, width))
-            ),
-            None,
-        ),
-    ]
+    """Int32 pool ids of unit column stride; an int32 ``out`` of unit column
+    stride, its rows 16-byte aligned; int32/int64 lengths of unit stride."""
+    i, o, n = "pool_ids", "out", "seq_lens"
+    (rows_, groups), width = a[i].shape, a[o].shape[1]
+    cols, ids, out = groups * POOL + POOL - 1, a[i].stride(), a[o].stride()
+    # fmt: off
+    return rows(a, [
+        ("ids int64", i, {i: dict(dtype=I64)}),
+        ("ids 1-d", i, {i: dict(shape=(groups,))}),
+        ("ids column stride 2", i, {i: dict(stride=(2 * groups, 2))}),
+        ("ids column stride 0", i, {i: dict(stride=(1, 0))}),
+        ("ids rows padded", None, {i: dict(stride=(groups + 1, 1), offset=1)}),
+        ("out int64", o, {o: dict(dtype=I64)}),
+        ("out 1-d", o, {o: dict(shape=(width,))}),
+        ("out column stride 2", o, {o: dict(stride=(2 * width, 2))}),
+        ("out row stride + 2", o, {o: dict(stride=(width + 2, 1))}),
+        ("out misaligned", o, {o: dict(offset=2)}),
+        ("out exact width", None, {o: dict(shape=(rows_, cols), stride=out)}),
+        ("out rows padded", None,
+         {o: dict(shape=(rows_, cols), stride=(cols + 1, 1), offset=4)}),
+        ("lens int16", n, {n: dict(dtype=I16)}),
+        ("lens float", n, {n: dict(dtype=F32)}),
+        ("lens 2-d", n, {n: dict(shape=(rows_, 1), stride=(1, 1))}),
+        ("lens strided", n, {n: dict(stride=(2,))}),
+        ("lens stride 0", n, {n: dict(stride=(0,))}),
+        ("lens int32", None, {n: dict(dtype=I32)}),
+        ("int32 lengths off", None, dict(int32_lengths=False)),
+        ("no pools", None,
+         {i: dict(shape=(rows_, 0), stride=ids), o: dict(shape=(rows_, 4))}),
+        ("no rows", None,
+         {i: dict(shape=(0, groups), stride=ids),
+          o: dict(shape=(0, width), stride=out)}),
+    ])
+    # fmt: on
 
 
 def remap_layouts(a: dict) -> list:
-    """(name, changes, the argument refused or None): int32 pool ids and
-    block table of unit column stride, int32 row ids and counts of unit
-    stride, int32/int64 positions of unit stride, a contiguous 16-byte
-    aligned int32 ``out``."""
-    ids, pos, req, table = a["pool_ids"], a["positions"], a["req_ids"], a["block_table"]
-    out, counts = a["out"], a["counts"]
-    rows, (expanded, groups) = req.shape[0], ids.shape
-    width, blocks = out.shape[1], table.shape[1]
-
-    def shape(t, *size):
-        return like(t, shape=size, stride=torch.empty(size, device="meta").stride())
+    """Int32 pool ids and block table of unit column stride, int32 row ids
+    and counts of unit stride, int32/int64 positions of unit stride, a
+    contiguous 16-byte aligned int32 ``out``."""
+    i, r, o, c = "pool_ids", "req_ids", "out", "counts"
+    b, p = "block_table", "positions"
+    (expanded, groups), rows_ = a[i].shape, a[r].shape[0]
+    width, blocks = a[o].shape[1], a[b].shape[1]
 
     def pools(n, w, **more):
-        return dict(pool_ids=shape(ids, expanded, n), out=shape(out, rows, w)) | more
+        return {i: dict(shape=(expanded, n)), o: dict(shape=(rows_, w))} | more
 
-    return [
-        ("ids int64", dict(pool_ids=like(ids, dtype=I64)), "pool_ids"),
-        ("ids 1-d", dict(pool_ids=shape(ids, groups)), "pool_ids"),
-        (
-            "ids column stride 2",
-            dict(pool_ids=like(ids, stride=(2 * groups, 2))),
-            "pool_ids",
-        ),
-        ("ids column stride 0", dict(pool_ids=like(ids, stride=(1, 0))), "pool_ids"),
-        (
-            "ids rows padded",
-            dict(pool_ids=like(ids, stride=(groups + 3, 1), offset=1)),
-            None,
-        ),
-        ("req_ids int64", dict(req_ids=like(req, dtype=I64)), "req_ids"),
-        ("req_ids 2-d", dict(req_ids=shape(req, rows, 1)), "req_ids"),
-        ("req_ids strided", dict(req_ids=like(req, stride=(2,))), "req_ids"),
-        ("out int64", dict(out=like(out, dtype=I64)), "out"),
-        ("out 1-d", dict(out=shape(out, rows)), "out"),
-        ("out rows padded", dict(out=like(out, stride=(width + 4, 1))), "out"),
-        ("out misaligned", dict(out=like(out, offset=2)), "out"),
-        ("counts int64", dict(counts=like(counts, dtype=I64)), "counts"),
-        ("counts 0-d", dict(counts=shape(counts)), "counts"),
-        ("counts 2-d", dict(counts=shape(counts, rows, 1)), "counts"),
-        ("counts strided", dict(counts=like(counts, stride=(2,))), "counts"),
-        ("counts stride 0", dict(counts=like(counts, stride=(0,))), "counts"),
-        ("no counts", dict(counts=None), None),
-        ("table int64", dict(block_table=like(table, dtype=I64)), "block_table"),
-        ("table 1-d", dict(block_table=shape(table, blocks)), "block_table"),
-        ("table 3-d", dict(block_table=shape(table, rows, blocks, 1)), "block_table"),
-        (
-            "table column stride 2",
-            dict(block_table=like(table, stride=(2 * blocks, 2))),
-            "block_table",
-        ),
-        (
-            "table column stride 0",
-            dict(block_table=like(table, stride=(1, 0))),
-            "block_table",
-        ),
-        (
-            "table rows padded",
-            dict(block_table=like(table, stride=(blocks + 3, 1), offset=1)),
-            None,
-        ),
-        (
-            "positions float",
-            dict(positions=like(pos, dtype=torch.float32)),
-            "positions",
-        ),
-        ("positions int16", dict(positions=like(pos, dtype=torch.int16)), "positions"),
-        ("positions 0-d", dict(positions=shape(pos)), "positions"),
-        ("positions 2-d", dict(positions=shape(pos, pos.shape[0], 1)), "positions"),
-        ("positions strided", dict(positions=like(pos, stride=(2,))), "positions"),
-        ("positions stride 0", dict(positions=like(pos, stride=(0,))), "positions"),
-        ("positions int32", dict(positions=like(pos, dtype=I32)), None),
-        ("int32 lengths off", dict(int32_lengths=False), None),
-        ("32 pools, 256 columns", pools(32, 256), None),
-        ("992 pools, 4096 columns", pools(992, 4096), None),
-        ("1024 pools, 4224 columns", pools(1024, 4224), "out"),
-        ("1024 pools, 4224 columns, no counts", pools(1024, 4224, counts=None), None),
-        ("1024 pools, 6144 columns", pools(1024, 6144), "out"),
-        ("1024 pools, 8192 columns", pools(1024, 8192), None),
-        ("block size 12", dict(block_size=12, stride_rows=12), None),
-        (
-            "no rows",
-            dict(
-                pool_ids=shape(ids, 0, groups),
-                req_ids=shape(req, 0),
-                out=shape(out, 0, width),
-            ),
-            None,
-        ),
-    ]
+    # fmt: off
+    return rows(a, [
+        ("ids int64", i, {i: dict(dtype=I64)}),
+        ("ids 1-d", i, {i: dict(shape=(groups,))}),
+        ("ids column stride 2", i, {i: dict(stride=(2 * groups, 2))}),
+        ("ids column stride 0", i, {i: dict(stride=(1, 0))}),
+        ("ids rows padded", None, {i: dict(stride=(groups + 3, 1), offset=1)}),
+        ("req_ids int64", r, {r: dict(dtype=I64)}),
+        ("req_ids 2-d", r, {r: dict(shape=(rows_, 1))}),
+        ("req_ids strided", r, {r: dict(stride=(2,))}),
+        ("out int64", o, {o: dict(dtype=I64)}),
+        ("out 1-d", o, {o: dict(shape=(rows_,))}),
+        ("out rows padded", o, {o: dict(stride=(width + 4, 1))}),
+        ("out misaligned", o, {o: dict(offset=2)}),
+        ("counts int64", c, {c: dict(dtype=I64)}),
+        ("counts 0-d", c, {c: dict(shape=())}),
+        ("counts 2-d", c, {c: dict(shape=(rows_, 1))}),
+        ("counts strided", c, {c: dict(stride=(2,))}),
+        ("counts stride 0", c, {c: dict(stride=(0,))}),
+        ("no counts", None, {c: None}),
+        ("table int64", b, {b: dict(dtype=I64)}),
+        ("table 1-d", b, {b: dict(shape=(blocks,))}),
+        ("table 3-d", b, {b: dict(shape=(rows_, blocks, 1))}),
+        ("table column stride 2", b, {b: dict(stride=(2 * blocks, 2))}),
+        ("table column stride 0", b, {b: dict(stride=(1, 0))}),
+        ("table rows padded", None, {b: dict(stride=(blocks + 3, 1), offset=1)}),
+        ("positions float", p, {p: dict(dtype=F32)}),
+        ("positions int16", p, {p: dict(dtype=I16)}),
+        ("positions 0-d", p, {p: dict(shape=())}),
+        ("positions 2-d", p, {p: dict(shape=(a[p].shape[0], 1))}),
+        ("positions strided", p, {p: dict(stride=(2,))}),
+        ("positions stride 0", p, {p: dict(stride=(0,))}),
+        ("positions int32", None, {p: dict(dtype=I32)}),
+        ("int32 lengths off", None, dict(int32_lengths=False)),
+        ("32 pools, 256 columns", None, pools(32, 256)),
+        ("992 pools, 4096 columns", None, pools(992, 4096)),
+        ("1024 pools, 4224 columns", o, pools(1024, 4224)),
+        ("1024 pools, 4224 columns, no counts", None, pools(1024, 4224, counts=None)),
+        ("1024 pools, 6144 columns", o, pools(1024, 6144)),
+        ("1024 pools, 8192 columns", None, pools(1024, 8192)),
+        ("block size 12", None, dict(block_size=12, stride_rows=12)),
+        ("no rows", None, {i: dict(shape=(0, groups)), r: dict(shape=(0,)),
+                           o: dict(shape=(0, width))}),
+    ])
+    # fmt: on
 
 
 def upcast_layouts(a: dict) -> list:
-    """(name, changes, the argument refused or None): the dtypes, strides
-    and alignments the kernel's accesses take: unit column stride, rows
-    16-byte aligned, int32 row ends of unit stride, an FP32 ``out`` with
-    the logits' strides."""
-    logits, ends, out = a["logits"], a["row_ends"], a["out"]
-    rows = logits.shape[0]
+    """The dtypes, strides and alignments the kernel's accesses take: unit
+    column stride, rows 16-byte aligned, int32 row ends of unit stride, an
+    FP32 ``out`` with the logits' strides."""
+    x, e, o = "logits", "row_ends", "out"
+    rows_ = a[x].shape[0]
 
     def rows_of(width, stride, offset=0):
-        shape = dict(shape=(rows, width), stride=(stride, 1))
-        return dict(
-            logits=like(logits, **shape, offset=offset),
-            out=like(out, **shape, offset=offset // 2),
-        )
+        shape = dict(shape=(rows_, width), stride=(stride, 1))
+        return {x: shape | dict(offset=offset), o: shape | dict(offset=offset // 2)}
 
-    empty = like(logits, shape=(0, 8), stride=(8, 1))
-    return [
-        ("logits fp32", dict(logits=like(logits, dtype=torch.float32)), "logits"),
-        ("logits 1-d", dict(logits=like(logits, shape=(8,), stride=(1,))), "logits"),
-        (
-            "logits column stride 2",
-            dict(logits=like(logits, stride=(2008, 2))),
-            "logits",
-        ),
-        ("logits column stride 0", dict(logits=like(logits, stride=(1, 0))), "logits"),
-        ("logits row stride 1004", rows_of(1000, 1004), "logits"),
-        ("logits row stride 12", rows_of(12, 12), "logits"),
-        ("logits misaligned", dict(logits=like(logits, offset=4)), "logits"),
-        ("row_ends int64", dict(row_ends=like(ends, dtype=torch.int64)), "row_ends"),
-        (
-            "row_ends 2-d",
-            dict(row_ends=like(ends, shape=(rows, 1), stride=(1, 1))),
-            "row_ends",
-        ),
-        ("row_ends 0-d", dict(row_ends=like(ends, shape=(), stride=())), "row_ends"),
-        ("row_ends strided", dict(row_ends=like(ends, stride=(2,))), "row_ends"),
-        ("row_ends stride 0", dict(row_ends=like(ends, stride=(0,))), "row_ends"),
-        ("out bf16", dict(out=like(out, dtype=torch.bfloat16)), "out"),
-        (
-            "out other strides",
-            dict(out=like(out, stride=(out.stride(0) + 8, 1))),
-            "out",
-        ),
-        ("out misaligned", dict(out=like(out, offset=2)), "out"),
-        ("out left out", dict(out=None), None),
-        ("rows padded, 16-byte offsets", rows_of(1000, 1008, offset=8), None),
-        ("row stride = width", rows_of(1000, 1000), None),
-        ("width 1001", rows_of(1001, 1008), None),
-        (
-            "no rows",
-            dict(logits=empty, row_ends=like(ends, shape=(0,)), out=None),
-            None,
-        ),
-    ]
+    # fmt: off
+    return rows(a, [
+        ("logits fp32", x, {x: dict(dtype=F32)}),
+        ("logits 1-d", x, {x: dict(shape=(8,))}),
+        ("logits column stride 2", x, {x: dict(stride=(2008, 2))}),
+        ("logits column stride 0", x, {x: dict(stride=(1, 0))}),
+        ("logits row stride 1004", x, rows_of(1000, 1004)),
+        ("logits row stride 12", x, rows_of(12, 12)),
+        ("logits misaligned", x, {x: dict(offset=4)}),
+        ("row_ends int64", e, {e: dict(dtype=I64)}),
+        ("row_ends 2-d", e, {e: dict(shape=(rows_, 1), stride=(1, 1))}),
+        ("row_ends 0-d", e, {e: dict(shape=())}),
+        ("row_ends strided", e, {e: dict(stride=(2,))}),
+        ("row_ends stride 0", e, {e: dict(stride=(0,))}),
+        ("out bf16", o, {o: dict(dtype=BF16)}),
+        ("out other strides", o, {o: dict(stride=(a[o].stride(0) + 8, 1))}),
+        ("out misaligned", o, {o: dict(offset=2)}),
+        ("out left out", None, {o: None}),
+        ("rows padded, 16-byte offsets", None, rows_of(1000, 1008, offset=8)),
+        ("row stride = width", None, rows_of(1000, 1000)),
+        ("width 1001", None, rows_of(1001, 1008)),
+        ("no rows", None, {x: dict(shape=(0, 8)), e: dict(shape=(0,)), o: None}),
+    ])
+    # fmt: on
 
 
 def select_layouts(a: dict) -> list:
-    """(name, changes, the argument refused or None): FP32/BF16 logits of
-    unit column stride, rows 16-byte aligned; int32 ends of unit stride; an
-    int32 ``out`` of unit column stride."""
-    logits, ends, out = a["logits"], a["ends"], a["out"]
-    rows, width = logits.shape
-    k = a["k"]
-    return [
-        ("logits fp16", dict(logits=like(logits, dtype=torch.float16)), "logits"),
-        ("logits bf16", dict(logits=like(logits, dtype=BF16)), None),
-        (
-            "logits 1-d",
-            dict(logits=like(logits, shape=(width,), stride=(1,))),
-            "logits",
-        ),
-        (
-            "logits column stride 2",
-            dict(logits=like(logits, stride=(2 * width, 2))),
-            "logits",
-        ),
-        (
-            "logits row stride + 2",
-            dict(logits=like(logits, stride=(width + 2, 1))),
-            "logits",
-        ),
-        ("logits rows padded", dict(logits=like(logits, stride=(width + 4, 1))), None),
-        ("logits misaligned", dict(logits=like(logits, offset=2)), "logits"),
-        (
-            "logits bf16 row stride + 4 (8 bytes)",
-            dict(logits=like(logits, dtype=BF16, stride=(width + 4, 1))),
-            "logits",
-        ),
-        (
-            "logits bf16 rows padded (16 bytes)",
-            dict(logits=like(logits, dtype=BF16, stride=(width + 8, 1))),
-            None,
-        ),
-        (
-            "logits bf16 8 bytes in",
-            dict(logits=like(logits, dtype=BF16, offset=4)),
-            "logits",
-        ),
-        ("ends int64", dict(ends=like(ends, dtype=torch.int64)), "ends"),
-        ("ends 2-d", dict(ends=like(ends, shape=(rows, 1), stride=(1, 1))), "ends"),
-        ("ends strided", dict(ends=like(ends, stride=(2,))), "ends"),
-        ("out int64", dict(out=like(out, dtype=torch.int64)), "out"),
-        ("out column stride 2", dict(out=like(out, stride=(2 * k, 2))), "out"),
-        (
-            "out columns of a wider buffer",
-            dict(out=like(out, stride=(k + 64, 1))),
-            None,
-        ),
-        ("k 1024, out of 1024", dict(k=1024, out=contiguous(out, rows, 1024)), None),
-        ("out left out", dict(out=None), None),
-        ("no rows", dict(logits=like(logits, shape=(0, width)), out=None), None),
-    ]
+    """FP32/BF16 logits of unit column stride, rows 16-byte aligned; int32
+    ends of unit stride; an int32 ``out`` of unit column stride."""
+    x, e, o = "logits", "ends", "out"
+    (rows_, width), k = a[x].shape, a["k"]
+    # fmt: off
+    return rows(a, [
+        ("logits fp16", x, {x: dict(dtype=F16)}),
+        ("logits bf16", None, {x: dict(dtype=BF16)}),
+        ("logits 1-d", x, {x: dict(shape=(width,))}),
+        ("logits column stride 2", x, {x: dict(stride=(2 * width, 2))}),
+        ("logits row stride + 2", x, {x: dict(stride=(width + 2, 1))}),
+        ("logits rows padded", None, {x: dict(stride=(width + 4, 1))}),
+        ("logits misaligned", x, {x: dict(offset=2)}),
+        ("logits bf16 row stride + 4 (8 bytes)", x,
+         {x: dict(dtype=BF16, stride=(width + 4, 1))}),
+        ("logits bf16 rows padded (16 bytes)", None,
+         {x: dict(dtype=BF16, stride=(width + 8, 1))}),
+        ("logits bf16 8 bytes in", x, {x: dict(dtype=BF16, offset=4)}),
+        ("ends int64", e, {e: dict(dtype=I64)}),
+        ("ends 2-d", e, {e: dict(shape=(rows_, 1), stride=(1, 1))}),
+        ("ends strided", e, {e: dict(stride=(2,))}),
+        ("out int64", o, {o: dict(dtype=I64)}),
+        ("out column stride 2", o, {o: dict(stride=(2 * k, 2))}),
+        ("out columns of a wider buffer", None, {o: dict(stride=(k + 64, 1))}),
+        ("k 1024, out of 1024", None, {"k": 1024, o: dict(shape=(rows_, 1024))}),
+        ("out left out", None, {o: None}),
+        ("no rows", None, {x: dict(shape=(0, width), stride=a[x].stride()), o: None}),
+    ])
+    # fmt: on
 
 
 LAYOUTS = {
