@@ -1,22 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The indexer simulator's batches: a serving run's requests as GLM-5-Next's
-DSA layers see them (``Scheduler``), and each step's attention metadata as
+DSA layers see them (``Scheduler``) and each step's attention metadata as
 vLLM 0.33.0's own builders build it (``Builder``).
 
 Requests arrive (a random-walk concurrency target), some with a cached
 prompt prefix, prefill in pool-aligned chunks (the stock kpool prefill write
 assumes it), decode ``next_n`` tokens (cycling 1..spec+1 in phases, uniform
 or not, a random number of drafts accepted: positions rewind) and finish,
-freeing their blocks. Decode rows per backend path (the builder's choice on
-that GPU): ``varlen`` (SM100, a row per token), SM90 ``native`` (``[B,
-next_n]`` rows for 1, 2 or 4) or ``flat`` (a row per token: uniform 3, or
-every step with adaptive verification), ``padded`` (see ``Builder``). FULL
-graph batches pad with null-block requests of their ``q_len`` and
-capture-time ``max_seq_len``. The tail metadata splits as
-``KpoolTailMetadataBuilder`` (``tail_split="stock"``: threshold 1) or as
-the indexer's.
-"""
+freeing their blocks. FULL graph batches pad with null-block requests of
+their ``q_len`` and capture-time ``max_seq_len``."""
 
 import contextlib
 import random
@@ -63,32 +56,22 @@ class Geometry:
     buffer_width: int = 0  # the top-k buffer's (0: vLLM's for topk)
     first_layer: int = 0  # the model's first DSA layer number
 
-    @property
-    def page(self) -> int:
-        return self.block // POOL
+    page = property(lambda g: g.block // POOL)
+    max_pool_len = property(lambda g: g.max_model_len // POOL)
+    # Block 0 is the null block.
+    num_blocks = property(lambda g: g.max_reqs * g.max_model_len // g.block + 1)
+    # Decode rows: the index group's and the stage's buffers.
+    capacity = property(lambda g: min(g.max_tokens, g.max_reqs * (g.spec + 1)))
 
     @property
     def width(self) -> int:  # get_sparse_topk_buffer_width
         return self.buffer_width or -(-(self.topk + POOL - 1) // 128) * 128
 
     @property
-    def max_pool_len(self) -> int:
-        return self.max_model_len // POOL
-
-    @property
-    def num_blocks(self) -> int:  # block 0 is the null block
-        return self.max_reqs * self.max_model_len // self.block + 1
-
-    @property
-    def capacity(self) -> int:  # decode rows: index group and stage buffers
-        return min(self.max_tokens, self.max_reqs * (self.spec + 1))
-
-    @property
     def prefixes(self) -> list[tuple[str, ...]]:
         """Per DSA layer: its indexer cache, tail cache and MLA layer."""
         names = ("indexer.k_cache", "indexer.tail_cache", "attn")
-        first = self.first_layer
-        layers = range(first, first + self.layers)
+        layers = range(self.first_layer, self.first_layer + self.layers)
         return [tuple(f"model.layers.{i}.self_attn.{n}" for n in names) for i in layers]
 
 
@@ -123,7 +106,7 @@ class Workload:
     arrival: float = 0.2  # chance per step of an arrival below the target
     nonuniform: float = 0.35  # share of decode steps with mixed q_len
     phase: int = 40  # decode steps per next_n phase
-    tail_split: str = "indexer"
+    tail_split: str = "indexer"  # "stock": KpoolTailMetadataBuilder's own
     cached: tuple[int, int] = (0, 0)  # prompt tokens in the cache at arrival
 
 
@@ -151,20 +134,14 @@ class Batch:
     items: list[Scheduled]
     next_n: int
     num_decodes: int  # leading decode-class requests (q_len <= next_n)
-
-    @property
-    def tokens(self) -> int:
-        return sum(i.q_len for i in self.items)
+    tokens = property(lambda b: sum(i.q_len for i in b.items))
+    uniform = property(lambda b: len({i.q_len for i in b.items[: b.num_decodes]}) < 2)
 
     @property
     def kind(self) -> str:
         if self.num_decodes == len(self.items):
             return "decode"
         return "mixed" if self.num_decodes else "prefill"
-
-    @property
-    def uniform(self) -> bool:
-        return len({i.q_len for i in self.items[: self.num_decodes]}) <= 1
 
 
 class Scheduler:
@@ -184,7 +161,8 @@ class Scheduler:
         tail = self.free_tails.pop()
         return Request(self.rids - 1, prompt, output, tail, min(cached, prompt - 1))
 
-    def arrive(self) -> None:
+    def schedule(self) -> Batch:
+        """New arrivals, then the next step's requests, decode-class first."""
         geo, rng, work = self.geo, self.rng, self.work
         if rng.random() < 0.05:
             self.target = rng.randint(1, geo.max_reqs)
@@ -201,19 +179,8 @@ class Scheduler:
             output = max(1, min(rng.randint(*work.output), limit))
             cached = rng.randint(*work.cached) // POOL * POOL
             self.running.append(self.request(prompt, output, cached))
-
-    def allocate(self, items: list[Scheduled]) -> None:
-        for item in items:
-            need = -(-(item.start + item.q_len) // self.geo.block)
-            while len(item.req.blocks) < need:
-                item.req.blocks.append(self.free_blocks.pop())
-
-    def schedule(self) -> Batch:
-        """The next step's requests, decode-class first."""
-        self.arrive()
-        geo, rng = self.geo, self.rng
-        n = 1 + (self.decode_steps // self.work.phase) % (geo.spec + 1)  # next_n
-        uniform = rng.random() >= self.work.nonuniform
+        n = 1 + (self.decode_steps // work.phase) % (geo.spec + 1)  # next_n
+        uniform = rng.random() >= work.nonuniform
         decodes, prefills = [], []
         budget = geo.max_tokens - n * sum(r.computed >= r.prompt for r in self.running)
         for req in self.running:
@@ -228,8 +195,14 @@ class Scheduler:
                 budget -= chunk
                 item = Scheduled(req, req.computed, chunk, True)
                 (decodes if chunk <= n else prefills).append(item)
-        self.allocate(decodes + prefills)
-        return Batch(decodes + prefills, n, len(decodes))
+        return self.allocate(Batch(decodes + prefills, n, len(decodes)))
+
+    def allocate(self, batch: Batch) -> Batch:
+        for item in batch.items:
+            need = -(-(item.start + item.q_len) // self.geo.block)
+            while len(item.req.blocks) < need:
+                item.req.blocks.append(self.free_blocks.pop())
+        return batch
 
     def fixed(self, q_lens, ctx, prefill: int = 0) -> Batch:
         """Decodes of ``q_lens[b]`` tokens after ``ctx[b]``, then a prefill
@@ -238,8 +211,7 @@ class Scheduler:
         items = [Scheduled(self.request(c, 1 << 30), c, q, False) for q, c in pairs]
         if prefill:
             items.append(Scheduled(self.request(prefill, 1), 0, prefill, True))
-        self.allocate(items)
-        return Batch(items, max(q_lens), len(q_lens))
+        return self.allocate(Batch(items, max(q_lens), len(q_lens)))
 
     def release(self, batch: Batch) -> None:
         """Frees ``batch``'s requests' blocks and tail blocks."""
@@ -262,39 +234,21 @@ class Scheduler:
                 self.release(Batch([item], 0, 0))
 
 
-@dataclass
-class Forward:
-    """One step's forward inputs: ``metadata`` for the forward context
-    (indexer, tail and MLA entries), ``positions`` of its ``rows``."""
-
-    metadata: dict
-    positions: torch.Tensor | None
-    rows: int  # hidden-state rows (padded in graph modes)
-    tokens: int  # scheduled tokens the metadata covers
-    kind: str
-    layout: str
-    key: tuple  # the CUDA graph it replays
-    host: tuple  # the host values a FULL graph's capture bakes in
-
-
 class Builder:
     """Per-step metadata for every DSA layer of ``geo``: the indexer's and
     the tail's from vLLM's own builders (``DeepseekV32IndexerMetadataBuilder``,
-    ``KpoolTailMetadataBuilder``), each given a ``CommonAttentionMetadata``
-    laid out as the model runner lays it, in persistent buffers (the
-    builders' outputs are views of theirs: what captured graphs read).
+    ``KpoolTailMetadataBuilder``) given a ``CommonAttentionMetadata`` in
+    persistent buffers, as the model runner lays it (captured graphs read
+    them); the sparse MLA metadata by hand (its builder is the backend's).
 
-    The CPU cannot answer the builders' platform questions; ``platform``
-    answers them as the backend path's GPU would, gives an H100's SM count
-    and, on the CPU, no DeepGEMM (its scheduler metadata op has no CPU
-    kernel; the logits stand-ins do not read it). vLLM 0.33.0 never lays
-    non-uniform decodes in padded rows (``split_decodes_and_prefills(
-    require_uniform=True)`` makes the first request of another ``q_len`` a
-    prefill, and SM90 has no native kernel for 3 rows): the ``padded``
-    layout is the builder's own ``requires_padding`` path, reached by
-    answering native for every ``next_n`` (so uniform 3 is native there)
-    and splitting without ``require_uniform``. The sparse MLA metadata is
-    laid by hand from the same values (its builder is the MLA backend's)."""
+    ``platform`` answers as the backend path's GPU would, with an H100's SM
+    count and, on the CPU, no DeepGEMM (its schedule op has no CPU kernel;
+    the logits stand-ins do not read it). Decode rows: ``varlen`` (SM100, a
+    row per token), SM90 ``native`` (``[B, next_n]`` for 1, 2 or 4) or
+    ``flat`` (a row per token: uniform 3, or all with adaptive verification).
+    vLLM 0.33.0 never pads non-uniform decodes (``require_uniform=True``):
+    ``padded`` is the builder's own ``requires_padding`` path, reached by
+    answering native for every ``next_n``, splitting without it."""
 
     def __init__(self, geo: Geometry, backend: Backend, device):
         self.geo, self.backend, self.device = geo, backend, torch.device(device)
@@ -307,6 +261,14 @@ class Builder:
         self.tail_slots = buf(t, dtype=torch.int64, fill=-1)
         self.query_start, self.seq_lens, self.req_ids = buf(r + 1), buf(r), buf(t)
         self.block_table, self.tail_table = buf(r, blocks), buf(r, 1)
+        # Where ``laid`` puts what the builders keep in their own buffers.
+        self.out = SimpleNamespace(
+            slots=buf(t, dtype=torch.int64), tail=buf(t, dtype=torch.int64),
+            seq=buf(t), lens=buf(t), per_req=buf(t), indices=buf(t),
+            table=buf(t, blocks), schedule=buf(1),
+        )  # fmt: skip
+        if not VLLM_BUILDERS:
+            return
         ns = SimpleNamespace
         config = ns(
             scheduler_config=ns(max_num_batched_tokens=t, max_num_seqs=r),
@@ -326,13 +288,6 @@ class Builder:
                 resolve_indexer_kv_dtype=lambda default: default,
             ),
         )  # fmt: skip
-        self.out = SimpleNamespace(
-            slots=buf(t, dtype=torch.int64), tail=buf(t, dtype=torch.int64),
-            seq=buf(t), lens=buf(t), per_req=buf(t), indices=buf(t),
-            table=buf(t, blocks), schedule=buf(1),
-        )  # fmt: skip
-        if not VLLM_BUILDERS:
-            return
         spec = MLAAttentionSpec(
             block_size=geo.block, num_kv_heads=1, head_size=D + 4, dtype=torch.uint8,
             tokens_per_state=POOL,
@@ -341,35 +296,34 @@ class Builder:
             block_size=geo.ring, num_kv_heads=2, head_size=D, head_size_v=0,
             dtype=torch.bfloat16, dcp_sharded=False,
         )  # fmt: skip
+        names = list(zip(*geo.prefixes, strict=True))
         with self.platform():
-            names = [p[0] for p in geo.prefixes]
             self.indexer = meta.DeepseekV32IndexerMetadataBuilder(
-                spec, names, config, self.device, block_table_width=blocks
+                spec, list(names[0]), config, self.device, block_table_width=blocks
             )
-            names = [p[1] for p in geo.prefixes]
-            self.tail = meta.KpoolTailMetadataBuilder(tail, names, config, self.device)
+            self.tail = meta.KpoolTailMetadataBuilder(
+                tail, list(names[1]), config, self.device
+            )
 
     @contextlib.contextmanager
     def platform(self):
-        """The builders' platform answers for the backend path (SM100: varlen
-        rows; SM90: native ``next_n`` 1, 2, 4, flattened with adaptive
-        verification; ``padded``: see the class docstring)."""
+        """The builders' platform answers for the backend path."""
         varlen, padded = self.backend.varlen, self.backend.nonuniform == "padded"
-        cpu = self.device.type == "cpu"
         split = meta.split_decodes_and_prefills
-
-        def uniform_or_not(common, **kw):
-            return split(common, **kw | dict(require_uniform=False))
-
+        answers = dict(
+            _supports_varlen_paged_mqa_logits=lambda: varlen,
+            _supports_flattened_device_query_lens=lambda: not varlen,
+            _supports_native_decode=lambda n: varlen or padded or n in (1, 2, 4),
+            num_compute_units=lambda index: 132,
+        )
+        if self.device.type == "cpu":
+            answers["has_deep_gemm"] = lambda: False
+        if padded:
+            answers["split_decodes_and_prefills"] = lambda common, **kw: split(
+                common, **kw | dict(require_uniform=False)
+            )
         with contextlib.ExitStack() as stack:
-            for name, value in dict(
-                _supports_varlen_paged_mqa_logits=lambda: varlen,
-                _supports_flattened_device_query_lens=lambda: not varlen,
-                _supports_native_decode=lambda n: varlen or padded or n in (1, 2, 4),
-                num_compute_units=lambda index: 132,
-                **(dict(has_deep_gemm=lambda: False) if cpu else {}),
-                **(dict(split_decodes_and_prefills=uniform_or_not) if padded else {}),
-            ).items():
+            for name, value in answers.items():
                 stack.enter_context(mock.patch.object(meta, name, value))
             yield
 
@@ -385,10 +339,11 @@ class Builder:
             return self.indexer.build(0, common), self.tail.build(0, tail)
 
     def laid(self, common):
-        """What ``built`` gives, laid by hand (the kernel-only shim)."""
+        """What ``built`` gives, laid by hand (the kernel-only shim), the
+        decode rows in ``out``'s persistent buffers (FULL graphs read them)."""
         geo, out, q = self.geo, self.out, common.query_start_loc_cpu.diff().tolist()
-        n, reqs, tokens = geo.spec + 1, common.num_reqs, common.num_actual_tokens
-        decodes = next((i for i, x in enumerate(q) if x > n), reqs)
+        reqs, tokens = common.num_reqs, common.num_actual_tokens
+        decodes = next((i for i, x in enumerate(q) if x > geo.spec + 1), reqs)
         seq, bt = common.seq_lens.tolist(), common.block_table_tensor
         pos, slots = common.positions[:tokens], common.slot_mapping
         last = (pos % POOL == POOL - 1) & (slots >= 0)
@@ -420,24 +375,20 @@ class Builder:
     def laid_decode(self, d, seq, bt):
         """The builder's decode rows: native (``[B, max q_len]``, padded
         when not uniform), else a row per token (varlen: with indices)."""
-        out, lmax, t = self.out, max(d), sum(d)
+        out, lmax = self.out, max(d)
         native = not self.backend.varlen and self.backend.nonuniform == "padded"
+        rows_of = [lmax] * len(d) if native else d  # rows a request
+        rows = [i for i, n in enumerate(rows_of) for _ in range(n)]
+        ends = [
+            max(seq[i] - n + j + 1, 0) for i, n in enumerate(rows_of) for j in range(n)
+        ]
+        values = self.put(out.seq, ends).view(len(d) if native else len(rows), -1)
         if native:
-            rows = [
-                [max(L - lmax + j + 1, 0) for j in range(lmax)] for L in seq[: len(d)]
-            ]
-            values = self.put(out.seq, sum(rows, [])).view(len(d), lmax)
             table, lens = bt[: len(d)], self.put(out.lens, d)
         else:
-            rows = [index for index, q in enumerate(d) for _ in range(q)]
-            grid = [
-                max(L - q + j + 1, 0)
-                for q, L in zip(d, seq[: len(d)], strict=True)
-                for j in range(q)
-            ]
-            values = self.put(out.seq, grid).view(t, 1)
-            table = out.table[:t].copy_(bt[torch.tensor(rows, device=bt.device)])
-            lens = self.put(out.lens, [1] * t)
+            rows_t = torch.tensor(rows, device=bt.device)
+            table = out.table[: len(rows)].copy_(bt[rows_t])
+            lens = self.put(out.lens, [1] * len(rows))
         return meta.DeepSeekV32IndexerDecodeMetadata(
             block_table=table, seq_lens=values.floor_divide_(POOL), decode_lens=lens,
             requires_padding=native and min(d) != lmax, schedule_metadata=out.schedule,
@@ -450,19 +401,14 @@ class Builder:
         """One chunk over every prefill request (none without a pool)."""
         pools = [length // POOL for length in seq[decodes:]]
         cu = [sum(pools[:i]) for i in range(len(pools) + 1)]
-        ks, ke, chunks = [], [], []
+        ks, ke, chunks, first = [], [], [], sum(q[:decodes])
         pairs = zip(seq[decodes:], q[decodes:], strict=True)
         for index, (length, n) in enumerate(pairs):
             ks += [cu[index]] * n
             ke += [cu[index] + (p + 1) // POOL for p in range(length - n, length)]
-        first = sum(q[:decodes])
         if cu[-1]:
-
-            def tensor(values):
-                return torch.tensor(values, dtype=torch.int32, device=self.device)
-
-            ints = tensor(cu)
-            seqs = [i for i, p in enumerate(pools) for _ in range(p)]
+            tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)
+            ints, seqs = tensor(cu), [i for i, p in enumerate(pools) for _ in range(p)]
             chunks.append(meta.DeepseekV32IndexerPrefillChunkMetadata(
                 block_table=bt[decodes : len(seq)], cu_seqlen_ks=tensor(ks),
                 cu_seqlen_ke=tensor(ke), cu_seq_lens=ints, token_to_seq=tensor(seqs),
@@ -480,14 +426,16 @@ class Builder:
         return view.copy_(host.view(view.shape) if host.dim() == view.dim() else host)
 
     def build(self, batch: Batch, *, rows: int, full=False, pad_reqs=0,
-              tail_split="indexer") -> Forward:  # fmt: skip
-        """Metadata of ``batch`` for ``rows`` hidden rows. ``full``: a FULL
+              tail_split="indexer"):  # fmt: skip
+        """One step's forward inputs for ``rows`` hidden rows: ``metadata``
+        (indexer, tail and MLA entries), ``positions``, the ``tokens`` it
+        covers, ``kind``, decode ``layout``, the CUDA graph ``key`` and the
+        ``host`` values a FULL graph's capture bakes in. ``full``: a FULL
         graph batch, padded with ``pad_reqs`` null requests of its ``q_len``,
-        with capture-time ``max_seq_len`` and a graph key naming every host
-        value its capture bakes in (vLLM keys by token count because its
-        ``q_len`` is fixed per deployment; this batch cycles ``next_n``).
-        ``tail_split="indexer"``: the tail metadata split as the indexer's
-        (``KpoolTailMetadataBuilder`` splits at 1)."""
+        with capture-time ``max_seq_len``; its key names every host value
+        (vLLM keys by token count because its ``q_len`` is fixed per
+        deployment; this batch cycles ``next_n``). ``tail_split="indexer"``:
+        the tail metadata split as the indexer's."""
         geo = self.geo
         q_pad = batch.items[0].q_len if full else 0
         items = [(i.start, i.q_len, i.req) for i in batch.items]
@@ -526,9 +474,8 @@ class Builder:
             split = ("num_decodes", "num_decode_tokens", "num_prefills")
             tail = replace(tail, **{k: getattr(indexer, k) for k in split},
                            num_prefill_tokens=indexer.num_prefill_tokens)  # fmt: skip
-        decodes, layout = indexer.num_decodes, "none"
-        if indexer.decode is not None:
-            d = indexer.decode
+        decodes, layout, d = indexer.num_decodes, "none", indexer.decode
+        if d is not None:
             layout = (
                 "varlen" if d.indices is not None else "padded" if d.requires_padding
                 else "native" if d.seq_lens.shape[0] == decodes else "flat"
@@ -546,8 +493,9 @@ class Builder:
         for names in geo.prefixes:
             metadata.update(zip(names, (indexer, tail, mla), strict=True))
         host = (rows, tokens, tuple(q_lens), decodes, max_seq, tail.num_decodes, layout)
-        key = (reqs, q_pad, layout) if full else (rows,)
-        kind = "decode" if decodes == reqs else "mixed" if decodes else "prefill"
-        return Forward(
-            metadata, self.positions[:rows], rows, tokens, kind, layout, key, host
-        )
+        return SimpleNamespace(
+            metadata=metadata, positions=self.positions[:rows], rows=rows, host=host,
+            tokens=tokens, layout=layout,
+            key=(reqs, q_pad, layout) if full else (rows,),
+            kind="decode" if decodes == reqs else "mixed" if decodes else "prefill",
+        )  # fmt: skip

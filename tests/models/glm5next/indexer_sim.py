@@ -2,25 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The indexer simulator: GLM-5-Next's patched ``sparse_attn_indexer_kpool``
 and the sparse MLA top-k conversion run as serving runs them, the
-``dsa_kpool`` stage against stock, every byte a step leaves.
+``dsa_kpool`` stage against stock, every byte a step leaves: ``Run`` step
+after step (eager, FULL and piecewise graphs, two stages, streams held
+back), ``Bench`` one step of one layer (the CPU routing tests).
 
-Each step's metadata comes from vLLM's own builders (``indexer_batches``).
-The references (DeepGEMM's scores in torch, the prefill top-k, the K gather,
-the workspace, the decode top-k stand-ins) go into the indexer modules and
-``runtime/stage.py`` (``references``). The scores are the simulator's own:
-vLLM's torch ones (``fp8_paged_mqa_logits_torch``, ``fp8_mqa_logits_torch``
-in ``rocm_aiter_mla_sparse.py``) take no MX scales (SM100) nor a query
-scale, read a ``next_n > 1`` cache as per-token rows (not DeepGEMM's paged
-layout), give prefill rows absolute key columns and ``-inf`` past a row's
-end (here ``PAST_END``, which a top-k that read it would pick). ``Spies``
-record each stage launch and, on the CPU, compute it by its stock twin;
-stock fallbacks, hand-overs and the fake streams land in the same timeline.
-A ``Model`` is one engine's DSA layers and their conversion, its stage
-built as ``install()`` and the JIT warmup build it (``build_stage``);
-``differences`` compares two models' layer step. ``Run`` drives the models
-step after step (eager, FULL and piecewise graphs, two engines, streams
-held back); ``Bench`` runs one step of one layer for the CPU routing
-tests."""
+Metadata: vLLM's own builders (``indexer_batches``). DeepGEMM's scores are
+the simulator's own: vLLM's torch ones (``rocm_aiter_mla_sparse.py``) take
+no MX scales nor a query scale, read a ``next_n > 1`` cache as per-token
+rows, give prefill rows absolute key columns and ``-inf`` past a row's end
+(here ``PAST_END``, which a top-k that read it would pick)."""
 
 import contextlib
 import importlib.util
@@ -30,7 +20,8 @@ import secrets
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from types import SimpleNamespace as NS
+from unittest import mock
 
 import torch
 from indexer_batches import BACKENDS, Backend, Builder, Geometry, Scheduler, Workload
@@ -65,8 +56,7 @@ POOL, D = 4, 128
 # Written over every buffer a layer's step may write, before it: no result
 # is ever -7, so a byte left as it was shows.
 POISON = -7
-# Logits past a row's end: any top-k that read them would pick them.
-PAST_END = 1e30
+PAST_END = 1e30  # logits past a row's end: any top-k that read them picks them
 # The stock functions, before any test patches them.
 STOCK_UPDATE = kpool_ops.kpool_decode_update_and_maybe_write_cache_batched
 STOCK_EXPAND = kpool_ops.expand_pools_and_append_tail
@@ -83,34 +73,36 @@ StageRegistry = install.StageRegistry
 
 
 def _scale(raw: torch.Tensor, mx: bool) -> torch.Tensor:
-    """Per-32-block float64 factors ``[..., 4]`` of four scale bytes
-    ``[..., 4]``: UE8M0 exponents with MX, else one FP32."""
+    """Per-32-block float64 factors ``[..., 4]`` of four scale bytes: UE8M0
+    exponents with MX, else one FP32."""
     if mx:
         return torch.pow(2.0, raw.double() - 127.0)
     return raw.contiguous().view(torch.float32).double().expand(*raw.shape[:-1], 4)
 
 
-def _scores(q, q_scale, keys, k_scale, weights) -> torch.Tensor:
-    """``[R, L]`` float64 ``sum_h w_h relu(q_h . k)`` of FP8 ``q [R, H, D]``
-    and ``keys [R, L, D]`` scaled per 32-wide block (``q_scale [R, H, 4]`` or
-    None, ``k_scale [R, L, 4]``): each block's FP8 dot product is exact in
-    float64 whatever the order of its sums, and scaled once."""
-    r, h = q.shape[:2]
-    qb = q.float().double().view(r, h, 4, D // 4)
-    kb = keys.float().double().view(r, keys.shape[1], 4, D // 4)
-    dots = torch.einsum("rhbd,rlbd->rhlb", qb, kb) * k_scale[:, None]
+def _logits(q, q_scale, weights, width: int, ends, gather, mx: bool):
+    """``[R, width]`` float64 ``sum_h w_h relu(q_h . k)`` of FP8 ``q [R, H,
+    D]`` (MX ``q_scale``, or None: FP32 scales folded into the weights) and
+    the keys ``gather(rows, cols)`` gives (FP8, scale bytes): each 32-wide
+    block's dot product is exact in float64 whatever the order of its sums."""
+    rows, heads = q.shape[:2]
     if q_scale is not None:
-        dots = dots * q_scale[:, :, None]
-    return (torch.relu(dots.sum(-1)) * weights.double()[:, :, None]).sum(1)
-
-
-def _q_scale(q_scale, rows: int, heads: int):
-    """The query's MX scale factors (unit ones, as ``mqa_logits_mx_inputs``
-    gives an FP8 query), or None (FP32 scales: folded into the weights)."""
-    if q_scale is None:
-        return None
-    raw = q_scale.reshape(rows, heads).contiguous().view(torch.uint8)
-    return _scale(raw.view(rows, heads, 4), True)
+        raw = q_scale.reshape(rows, heads).contiguous().view(torch.uint8)
+        q_scale = _scale(raw.view(rows, heads, 4), True)
+    cols = torch.arange(width, device=q.device)
+    out = torch.full((rows, width), PAST_END, dtype=torch.float64, device=q.device)
+    step = max(1, (1 << 20) // (max(width, 1) * heads))
+    for start in range(0, rows, step):
+        sl = slice(start, start + step)
+        keys, scales = gather(sl, cols)
+        qb = q[sl].float().double().view(-1, heads, 4, D // 4)
+        kb = keys.float().double().view(*keys.shape[:2], 4, D // 4)
+        dots = torch.einsum("rhbd,rlbd->rhlb", qb, kb) * _scale(scales, mx)[:, None]
+        if q_scale is not None:
+            dots = dots * q_scale[sl][:, :, None]
+        score = (torch.relu(dots.sum(-1)) * weights[sl].double()[:, :, None]).sum(1)
+        out[sl] = torch.where(cols < ends[sl, None], score, PAST_END)
+    return out
 
 
 def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
@@ -118,54 +110,42 @@ def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
     H, D], MX scales or None)``, ``kv_cache [blocks, page, D + 4]`` uint8 (a
     page's values, then its scales), ``lens [B, next_n]`` in pools,
     ``tables`` per request or per row; ``[B * next_n, max_model_len]``
-    logits, BF16 with MX scales (SM100) else FP32, ``PAST_END`` past each
-    row's length. ``dtype`` and ``pad`` (row stride) override."""
+    logits, BF16 with MX scales (SM100) else FP32. ``dtype`` and ``pad``
+    (row stride) override."""
     values, q_scale = q
-    rows, heads = values.shape[0] * values.shape[1], values.shape[2]
-    width, device, mx = kw["max_model_len"], values.device, q_scale is not None
-    blocks, page = kv_cache.shape[:2]
+    rows, (blocks, page) = values.shape[0] * values.shape[1], kv_cache.shape[:2]
     flat = kv_cache.reshape(blocks, -1)
     keys = flat[:, : page * D].view(torch.float8_e4m3fn).view(blocks, page, D)
     scales = flat[:, page * D :].view(blocks, page, 4)
-    table = tables[torch.arange(rows, device=device) * tables.shape[0] // rows]
-    cols, ends = torch.arange(width, device=device), lens.reshape(-1)[:rows]
-    q_rows, qs = values.reshape(rows, heads, D), _q_scale(q_scale, rows, heads)
-    out = torch.full((rows, width), PAST_END, dtype=torch.float64, device=device)
-    step = max(1, (1 << 20) // (width * heads))
-    for start in range(0, rows, step):
-        sl = slice(start, start + step)
+    table = tables[torch.arange(rows, device=values.device) * tables.shape[0] // rows]
+
+    def gather(sl, cols):
         ids, slots = table[sl][:, cols // page].long(), cols % page
-        score = _scores(
-            q_rows[sl], None if qs is None else qs[sl], keys[ids, slots],
-            _scale(scales[ids, slots], mx), weights[sl],
-        )  # fmt: skip
-        out[sl] = torch.where(cols < ends[sl, None], score, PAST_END)
+        return keys[ids, slots], scales[ids, slots]
+
+    width, mx = kw["max_model_len"], q_scale is not None
+    out = _logits(
+        values.reshape(rows, -1, D), q_scale, weights, width, lens.reshape(-1)[:rows],
+        gather, mx,
+    )  # fmt: skip
     dtype = kw.get("dtype") or (torch.bfloat16 if mx else torch.float32)
-    padded = torch.empty((rows, width + kw.get("pad", 0)), dtype=dtype, device=device)
-    return padded[:, :width].copy_(out)
+    shape = (rows, width + kw.get("pad", 0))
+    return torch.empty(shape, dtype=dtype, device=out.device)[:, :width].copy_(out)
 
 
 def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
     """DeepGEMM's ``fp8_fp4_mqa_logits`` (prefill): row ``i`` scores keys
     ``[ks[i], ke[i])`` of the gathered ``kv = (values [N, D], scales [N])``
-    from column 0, ``PAST_END`` after."""
+    from column 0."""
     (values, q_scale), (k_values, k_scales) = q, kv
-    rows, heads, mx = values.shape[0], values.shape[1], q_scale is not None
-    cols = torch.arange(max_seqlen_k, device=values.device)
     raw = k_scales.contiguous().view(torch.uint8).view(-1, 4)
-    qs = _q_scale(q_scale, rows, heads)
-    out = torch.full(
-        (rows, max_seqlen_k), PAST_END, dtype=torch.float64, device=values.device
-    )
-    step = max(1, (1 << 20) // (max(max_seqlen_k, 1) * heads))
-    for start in range(0, rows, step):
-        sl = slice(start, start + step)
+
+    def gather(sl, cols):
         ids = (ks[sl, None].long() + cols).clamp(max=max(len(k_values) - 1, 0))
-        score = _scores(
-            values[sl], None if qs is None else qs[sl], k_values[ids],
-            _scale(raw[ids], mx), weights[sl],
-        )  # fmt: skip
-        out[sl] = torch.where(cols < (ke - ks)[sl, None], score, PAST_END)
+        return k_values[ids], raw[ids]
+
+    mx = q_scale is not None
+    out = _logits(values, q_scale, weights, max_seqlen_k, ke - ks, gather, mx)
     return out.to(torch.bfloat16 if mx else torch.float32)
 
 
@@ -207,8 +187,7 @@ def contract_decode_topk(backend=None):
 
 def _gather(kv_cache, dst_k, dst_scale, block_table, cu) -> None:
     """``cp_gather_indexer_k_quant_cache``: each request's first ``cu[b+1] -
-    cu[b]`` cache entries, in order, into ``dst_k [N, D]``, ``dst_scale
-    [N, 4]``."""
+    cu[b]`` cache entries, in order, into ``dst_k [N, D]``, ``dst_scale``."""
     blocks, page = kv_cache.shape[:2]
     flat = kv_cache.reshape(blocks, -1)
     lens, total = (cu[1:] - cu[:-1]).long(), int(cu[-1])
@@ -225,16 +204,11 @@ def _prefill_topk(logits, starts, ends, out, rows, s0, s1, k) -> None:
 
 
 _LIBRARY: list = []
-
-
-class Workspace:
-    """``current_workspace_manager()``: fresh buffers of the asked shapes."""
-
-    device = torch.device("cpu")
-
-    @classmethod
-    def get_simultaneous(cls, *specs):
-        return [torch.empty(s, dtype=t, device=cls.device) for s, t in specs]
+# ``current_workspace_manager()``: fresh buffers of the asked shapes.
+Workspace = NS(device=torch.device("cpu"))
+Workspace.get_simultaneous = lambda *specs: [
+    torch.empty(s, dtype=t, device=Workspace.device) for s, t in specs
+]
 
 
 def references(patch, modules, device, logits=paged_logits, topk=None) -> None:
@@ -257,7 +231,7 @@ def references(patch, modules, device, logits=paged_logits, topk=None) -> None:
     names |= {} if topk is None else dict(get_indexer_topk=topk)
     indexer = names | dict(
         fp8_fp4_mqa_logits=ragged_logits, current_workspace_manager=lambda: Workspace,
-        ops=SimpleNamespace(cp_gather_indexer_k_quant_cache=_gather),
+        ops=NS(cp_gather_indexer_k_quant_cache=_gather),
     )  # fmt: skip
     for module, values in [*((m, indexer) for m in modules), (stage_module, names)]:
         for name, value in values.items():
@@ -277,19 +251,17 @@ def mx_scales(patch, flag: bool, *modules) -> None:
 
 
 class Fake:
-    """A CUDA stream or event on the CPU: each use recorded in ``log``."""
+    """A CUDA stream or event on the CPU: each use (``wait_event``,
+    ``record``, ...) recorded in ``log`` with the names of its arguments."""
 
     def __init__(self, log: list, name: str):
         self.log, self.name = log, name
 
-    def wait_event(self, event):
-        self.log.append(f"{self.name}.wait_event({event.name})")
-
-    def wait_stream(self, stream):
-        self.log.append(f"{self.name}.wait_stream({stream.name})")
-
-    def record(self, stream=None):
-        self.log.append(f"{self.name}.record({stream.name if stream else ''})")
+    def __getattr__(self, use: str):
+        if use.startswith("_"):
+            raise AttributeError(use)
+        on = lambda *args: ", ".join(a.name for a in args)
+        return lambda *args: self.log.append(f"{self.name}.{use}({on(*args)})")
 
     def __enter__(self):
         self.log.append(f"enter {self.name}")
@@ -305,12 +277,9 @@ def kernel_name(key) -> str:
 def twin(name: str, key, *args) -> None:
     """Writes what the executor of ``key`` would, by the stock twin."""
     if name == "update":
-        saved = kpool_ops.mqa_logits_use_mx_scales
-        kpool_ops.mqa_logits_use_mx_scales = lambda: key.mx_scales
-        try:
+        mx = lambda: key.mx_scales
+        with mock.patch.object(kpool_ops, "mqa_logits_use_mx_scales", mx):
             STOCK_UPDATE(*args, POOL, D, round_scale=key.round_scale)
-        finally:
-            kpool_ops.mqa_logits_use_mx_scales = saved
     elif name in ("expand", "remap"):
         ids, lengths, *rest = args
         out, offset = (rest[0], rest[1]) if name == "expand" else (rest[2], rest[4])
@@ -355,12 +324,11 @@ class Spies:
     """The stage's launches as ``watch`` wraps them: each records
     ``kernel:<name>`` and its key (``launched``, ``launches``) and, with
     ``compute`` (the CPU), writes what the executor would by the stock twin.
-    With ``compute``, ``check_devices`` takes CPU tensors where the launch
-    modules call it, the SM count is an H100's, and every route lands in
-    ``timeline``: the stage's stock fallbacks (``stock:<name>``), the
-    indexer's own expansion (``indexer:expand``), the group's stock
-    conversion (``stock:convert``), hand-overs (``defer``),
-    materializations and the fake streams."""
+    With ``compute``, ``check_devices`` takes CPU tensors, the SM count is an
+    H100's, and every route lands in ``timeline``: the stage's stock
+    fallbacks (``stock:<name>``), the indexer's own expansion
+    (``indexer:expand``), the group's stock conversion (``stock:convert``),
+    hand-overs (``defer``), materializations and the fake streams."""
 
     def __init__(self, patch, timeline: list, compute: bool = True):
         self.timeline, self.compute = timeline, compute
@@ -428,58 +396,15 @@ IMPLS = dict(
 )  # fmt: skip
 
 
-def sparse_mla_impl(cls, group):
-    """An impl of ``cls``, unconstructed (no method of it runs here), with
-    what the stage and the conversion read of it."""
-    impl = cls.__new__(cls)
-    vars(impl).update(index_group=group, index_group_index=0, dcp_world_size=1)
-    return impl
-
-
 def ints(shape, device) -> torch.Tensor:
     return torch.full(shape, POISON, dtype=torch.int32, device=device)
 
 
-def index_group(logical, rows: int, log: list):
-    """A DSA layer's index group over the ``logical`` top-k buffer with
-    ``rows`` physical rows (``SparseMLAIndexGroupBuilder``: decode rows + 1),
-    its stock side stream and events on CUDA, ``Fake`` ones on the CPU."""
-    cuda = logical.device.type == "cuda"
-    event = groups._create_event if cuda else None
-    group = groups.SparseMLAIndexGroup(
-        logical_topk_indices=logical,
-        physical_topk_indices=ints((rows, logical.shape[1]), logical.device),
-        valid_topk_counts=ints((rows,), logical.device),
-        side_stream=groups._create_side_stream(logical.device)
-        if cuda
-        else Fake(log, "side"),
-        logical_topk_ready=event() if cuda else Fake(log, "logical_ready"),
-        physical_topk_ready=event() if cuda else Fake(log, "physical_ready"),
-        has_indexer=True,
-    )
-    group.register_layer()
-    return group
-
-
-def fp8_cache(gen, blocks: int, page: int, mx: bool, device) -> torch.Tensor:
-    """An index cache of finite FP8 keys scaled ``2^-12 .. 2^-5`` (MX: four
-    equal UE8M0 bytes, as the update writes them)."""
-    cache = torch.empty((blocks, page, D + 4), dtype=torch.uint8, device=device)
-    flat = cache.view(blocks, -1)
-    values = torch.randn((blocks, page * D), generator=gen, device=device) * 100
-    fp8 = values.clamp(-448, 448).to(torch.float8_e4m3fn)
-    flat[:, : page * D] = fp8.view(torch.uint8)
-    e = torch.randint(-12, -4, (blocks, page), generator=gen, device=device)
-    scales = (e + 127).to(torch.uint8).repeat_interleave(4, 1) if mx else None
-    flat[:, page * D :] = (
-        torch.pow(2.0, e.float()).view(torch.uint8) if not mx else scales
-    )
-    return cache
-
-
 class Sim:
     """One configuration: geometry, backend path, device, the initial caches
-    and inputs every model reads, the scheduler and the metadata builder."""
+    (an index cache of finite FP8 keys scaled ``2^-12 .. 2^-5``, MX: four
+    equal UE8M0 bytes, as the update writes them) and inputs every model
+    reads, the scheduler and the metadata builder."""
 
     def __init__(self, geo, backend, device, seed: int, timeline=None, work=None):
         self.geo, self.backend, self.device = geo, backend, torch.device(device)
@@ -487,16 +412,27 @@ class Sim:
         self.gen = g = torch.Generator(self.device).manual_seed(seed)
         self.sched = Scheduler(geo, work or Workload(), random.Random(seed))
         self.builder = Builder(geo, backend, self.device)
-        dev, n, t = self.device, geo.layers, geo.max_tokens
-        self.kv = [
-            fp8_cache(g, geo.num_blocks, geo.page, backend.mx, dev) for _ in range(n)
-        ]
+        dev, n, t, page = self.device, geo.layers, geo.max_tokens, geo.page
+        blocks = geo.num_blocks
+        self.kv = []
+        for _ in range(n):
+            cache = torch.empty((blocks, page, D + 4), dtype=torch.uint8, device=dev)
+            flat = cache.view(blocks, -1)
+            values = torch.randn((blocks, page * D), generator=g, device=dev) * 100
+            fp8 = values.clamp(-448, 448).to(torch.float8_e4m3fn)
+            flat[:, : page * D] = fp8.view(torch.uint8)
+            e = torch.randint(-12, -4, (blocks, page), generator=g, device=dev)
+            flat[:, page * D :] = (
+                (e + 127).to(torch.uint8).repeat_interleave(4, 1) if backend.mx
+                else torch.pow(2.0, e.float()).view(torch.uint8)
+            )  # fmt: skip
+            self.kv.append(cache)
         tail = (geo.max_reqs + 1, 2, geo.ring, D)
         self.tail = [
             torch.randn(tail, generator=g, device=dev).bfloat16() for _ in range(n)
         ]
         self.ape = [torch.randn((POOL, D), generator=g, device=dev) for _ in range(n)]
-        self.source = SimpleNamespace(
+        self.source = NS(
             q=torch.zeros((n, t, geo.heads, D), device=dev).to(torch.float8_e4m3fn),
             k=torch.zeros((n, t, geo.key_stride), dtype=torch.bfloat16, device=dev),
             w=torch.zeros((n, t, geo.heads), device=dev),
@@ -506,94 +442,99 @@ class Sim:
     def fill(self, rows: int) -> None:
         """Fresh random inputs for ``rows`` rows of every layer."""
         for name, x in vars(self.source).items():
-            values = torch.randn(
-                x[:, :rows].shape, generator=self.gen, device=self.device
-            )
+            shape, gen = x[:, :rows].shape, self.gen
+            values = torch.randn(shape, generator=gen, device=self.device)
             x[:, :rows] = (values * (8 if name == "q" else 1)).to(x.dtype)
 
 
 class Model:
     """One engine's DSA layers on ``sim``: ``module`` the indexer it runs,
     ``kpool`` its ``SPECIALIZED_KPOOL`` (None: stock), ``options`` how it
-    converts (``counts``, ``layer_index``, ``block_stride_rows``;
-    ``consume(model, layer, logical, mla)``: a backend's own decode),
-    ``hold`` the GPU cycles each stream is held back at each hand-off,
-    ``between(layer)`` what runs between a layer's indexer and its
-    conversion. ``snaps``: per layer, what its consumer saw (the logical
-    buffer, the rows and counts the conversion returned; ``flags``: deferred,
-    the rows converted)."""
+    converts (``counts``, ``layer_index``, ``block_stride_rows``; ``consume(
+    model, layer, logical, mla)``: a backend's own decode), ``hold`` GPU
+    cycles each stream is held back at each hand-off, ``between(layer)``
+    what runs between a layer's indexer and its conversion. Per layer an
+    index group (``SparseMLAIndexGroupBuilder``'s rows: decode rows + 1) and
+    ``snaps``: what its consumer saw (logical buffer, physical rows, counts;
+    ``flags``: deferred, the rows converted)."""
 
     def __init__(self, sim: Sim, name: str, *, module=None, impl=None,
                  capacity=None, bound=True):  # fmt: skip
-        geo, dev = sim.geo, sim.device
+        geo, dev, log = sim.geo, sim.device, sim.timeline
         self.sim, self.name, self.module = sim, name, module or sparse_indexer
         self.kpool = self.stage = self.between = None
         self.options, self.hold, self.record = {}, 0, True
         self.kv, self.tail = [c.clone() for c in sim.kv], [c.clone() for c in sim.tail]
-        t, w = geo.max_tokens, geo.width
+        t, w, cuda = geo.max_tokens, geo.width, dev.type == "cuda"
         self.buffer = ints((t, w), dev)
         self.hidden = torch.zeros((t, 8), dtype=torch.bfloat16, device=dev)
         self.forwards = torch.zeros(1, dtype=torch.int64, device=dev)
         rows = (geo.capacity if capacity is None else capacity) + 1
+
+        def event(name: str):  # the stock event on CUDA, a ``Fake`` on the CPU
+            return groups._create_event() if cuda else Fake(log, name)
+
         self.groups, self.inputs, self.snaps, self.attentions = [], [], [], []
         for layer, (k_prefix, tail_prefix, _) in enumerate(geo.prefixes):
-            group = index_group(self.buffer, rows, sim.timeline)
+            group = groups.SparseMLAIndexGroup(
+                logical_topk_indices=self.buffer,
+                physical_topk_indices=ints((rows, w), dev),
+                valid_topk_counts=ints((rows,), dev),
+                side_stream=groups._create_side_stream(dev) if cuda else event("side"),
+                logical_topk_ready=event("logical_ready"),
+                physical_topk_ready=event("physical_ready"),
+                has_indexer=True,
+            )  # fmt: skip
+            group.register_layer()
             source = vars(sim.source).items()
-            self.inputs.append(SimpleNamespace(**{k: v[0].clone() for k, v in source}))
-            self.snaps.append(SimpleNamespace(
+            self.inputs.append(NS(**{k: v[0].clone() for k, v in source}))
+            self.snaps.append(NS(
                 logical=ints((t, w), dev), physical=ints((t, w), dev),
                 counts=ints((t,), dev), flags=ints((2,), dev),
             ))  # fmt: skip
-            cls = IMPLS[sim.backend.convert]
+            if impl is None:  # no method of it runs: what the stage reads of one
+                cls = IMPLS[sim.backend.convert]
+                made = cls.__new__(cls)
+                state = dict(index_group=group, index_group_index=0, dcp_world_size=1)
+                vars(made).update(state)
             # The MLA cache as bound: [blocks, block, row], blocks
             # ``mla_block_rows`` rows apart (the fused remap's layout).
             shape = (geo.num_blocks, geo.mla_block_rows, 16)
             mla_kv = torch.empty(shape, dtype=torch.uint8, device=dev)[:, : geo.block]
-            ns = SimpleNamespace
-            indexer = ns(
-                k_cache=ns(prefix=k_prefix, kv_cache=self.kv[layer]),
-                tail_cache=ns(prefix=tail_prefix, kv_cache=self.tail[layer]),
-                topk_indices_buffer=self.buffer, topk_tokens=geo.topk,
-                scale_fmt=geo.scale_fmt, max_pool_len=geo.max_pool_len,
-            )  # fmt: skip
-            mla = SimpleNamespace(
-                impl=impl(group) if impl else sparse_mla_impl(cls, group),
-                kv_cache=mla_kv if bound else None,
-            )
+            mla_kv = mla_kv if bound else None
+            mla = NS(impl=impl(group) if impl else made, kv_cache=mla_kv)
             self.groups.append(group)
-            self.attentions.append(
-                SimpleNamespace(indexer=indexer, mla_attn=SimpleNamespace(mla_attn=mla))
-            )
+            self.attentions.append(NS(
+                indexer=NS(
+                    k_cache=NS(prefix=k_prefix, kv_cache=self.kv[layer]),
+                    tail_cache=NS(prefix=tail_prefix, kv_cache=self.tail[layer]),
+                    topk_indices_buffer=self.buffer, topk_tokens=geo.topk,
+                    scale_fmt=geo.scale_fmt, max_pool_len=geo.max_pool_len,
+                ),
+                mla_attn=NS(mla_attn=mla),
+            ))  # fmt: skip
 
-    @contextlib.contextmanager
     def active(self):
         """This model's ``SPECIALIZED_KPOOL`` in its indexer module."""
-        previous = getattr(self.module, "SPECIALIZED_KPOOL", None)
-        self.module.SPECIALIZED_KPOOL = self.kpool
-        try:
-            yield
-        finally:
-            self.module.SPECIALIZED_KPOOL = previous
+        kpool, module = self.kpool, self.module
+        return mock.patch.object(module, "SPECIALIZED_KPOOL", kpool, create=True)
 
-    def run(self, fwd, mode=CUDAGraphMode.NONE, metadata="step", dummy_run=False):
+    def run(self, fwd, mode=CUDAGraphMode.NONE, dummy_run=False):
         """One forward of ``fwd`` in a fresh forward context."""
-        with (
-            self.active(),
-            override_forward_context(context(fwd, mode, metadata, dummy_run)),
-        ):
+        forward = context(fwd, mode, dummy_run=dummy_run)
+        with self.active(), override_forward_context(forward):
             self.forward(fwd)
         return self
 
     def forward(self, fwd) -> None:
-        """Every DSA layer's step; graph-capturable but for the indexer and
-        the conversion (eager breaks under breakable graphs)."""
+        """Every DSA layer's step (graph-capturable but for the indexer and
+        the conversion, eager breaks): the layer's inputs copied in, every
+        buffer it writes poisoned, its step."""
         for layer in range(self.sim.geo.layers):
             self.forward_layer(fwd, layer)
         self.forwards += 1  # the model's work after the last break (its head)
 
     def forward_layer(self, fwd, layer: int) -> None:
-        """The layer's inputs copied in, every buffer it writes poisoned,
-        its step."""
         x, group = self.inputs[layer], self.groups[layer]
         for name, buffer in vars(x).items():
             buffer[: fwd.rows].copy_(getattr(self.sim.source, name)[layer, : fwd.rows])
@@ -673,8 +614,7 @@ def consume(model: Model, layer: int) -> None:
     metadata = get_forward_context().attn_metadata
     if not isinstance(metadata, dict):
         return  # a capture's profiling forward
-    mla = metadata[model.sim.geo.prefixes[layer][2]]
-    group = model.groups[layer]
+    mla, group = metadata[model.sim.geo.prefixes[layer][2]], model.groups[layer]
     if model.hold and not torch.cuda.is_current_stream_capturing():
         # The side stream late: a consumer that does not wait for its
         # physical rows reads the poison.
@@ -693,26 +633,21 @@ def consume(model: Model, layer: int) -> None:
 
 def context(fwd, mode=CUDAGraphMode.NONE, metadata="step", dummy_run=False):
     return ForwardContext(
-        no_compile_layers={},
+        no_compile_layers={}, slot_mapping={}, cudagraph_runtime_mode=mode,
         attn_metadata=fwd.metadata if metadata == "step" else metadata,
-        slot_mapping={},
-        cudagraph_runtime_mode=mode,
-        batch_descriptor=BatchDescriptor(num_tokens=fwd.rows),
-        dummy_run=dummy_run,
-    )
+        batch_descriptor=BatchDescriptor(num_tokens=fwd.rows), dummy_run=dummy_run,
+    )  # fmt: skip
 
 
 def build_stage(model: Model, registry, *, max_rows=None, select=False, warm=True):
     """``model``'s stage as ``install()`` builds it and the JIT warmup turns
     it on: a ``KpoolStage`` added to ``registry`` (a ``StageRegistry``: the
-    model's ``SPECIALIZED_KPOOL``) by its top-k buffer, then (``warm``) its
-    warmup, self-check off (it has its own tests): each of its kernels'
-    keys, then each kernel's compile, in the order vLLM's JIT warmup
-    registry takes them; the stage's executors set. ``select``:
+    model's ``SPECIALIZED_KPOOL``) by its top-k buffer, then (``warm``) each
+    of its kernels' warmup keys and compile, in the order vLLM's JIT warmup
+    registry takes them, self-check off (it has its own tests). ``select``:
     ``kpool_select``'s value."""
-    geo = model.sim.geo
     stage = stage_module.KpoolStage(
-        model.attentions, geo.capacity if max_rows is None else max_rows,
+        model.attentions, model.sim.geo.capacity if max_rows is None else max_rows,
         model.buffer.device, mx_scales=model.sim.backend.mx,
         select=select is not False, select_one_wave=select == "one_wave",
         self_check="off",
@@ -720,8 +655,7 @@ def build_stage(model: Model, registry, *, max_rows=None, select=False, warm=Tru
     registry.add(stage, model.buffer)
     model.stage, model.kpool = stage, registry
     if warm:
-        keyed = [(kernel, kernel.get_warmup_keys()) for kernel in stage.kernels]
-        for kernel, keys in keyed:
+        for kernel, keys in [(k, k.get_warmup_keys()) for k in stage.kernels]:
             if keys:
                 kernel.compile_many(keys)
         assert stage.executors, "the stage's warmup compiled nothing"
@@ -758,7 +692,7 @@ def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False)
         return (x.view(torch.uint8) != y.view(torch.uint8)).any()
 
     def strays(name: str):
-        """Bytes of the groups' buffer past the rows converted."""
+        """Bytes of either group's buffer past the rows converted."""
         found = []
         for model, snap in ((stock, a), (stage, b)):
             buffer = getattr(model.groups[layer], name)
@@ -789,9 +723,10 @@ def flags(stock: Model, where, tokens: int, sets=False) -> list[list[int]]:
 def mismatches(stock: Model, stage: Model, tokens: int, sets=False) -> list[str]:
     """The ``FIELDS`` that differ, per layer."""
     where = [(stage, i) for i in range(stage.sim.geo.layers)]
+    found = zip(where, flags(stock, where, tokens, sets), strict=True)
     return [
         f"layer {i} {name}"
-        for (_, i), values in zip(where, flags(stock, where, tokens, sets), strict=True)
+        for (_, i), values in found
         for name, differs in zip(FIELDS, values, strict=False)
         if differs
     ]
@@ -812,8 +747,7 @@ STAND_INS = (
     "vLLM's torch reference on the CPU, a stable sort (ties to the lower pool) on "
     "CUDA and in the kernel-only shim, contract_topk's set with the select"
 )
-# Every run's summary line, for the test session's terminal summary.
-REPORTS: list[str] = []
+REPORTS: list[str] = []  # every run's summary line, for the session's summary
 # A few interpreted CPU steps: a 128-token top-k (32 pools, the fewest the
 # fused remap takes); prompts past it, mostly found in the cache.
 CPU_GEOMETRY = Geometry(
@@ -918,10 +852,10 @@ class Run:
     def setup(self, stack: contextlib.ExitStack, watch: bool = True) -> None:
         """The stand-ins, the run's stream, then each stage side's stage
         (``watch``: its launches counted; not while timing)."""
-        cfg, cuda = self.cfg, self.stream is not None
         mx_scales(self.patch, self.sim.backend.mx)
-        topk = contract_decode_topk if cfg.select else None
+        topk = contract_decode_topk if self.cfg.select else None
         # CUDA: a deterministic top-k; the kernel-only shim has no vLLM one.
+        cuda = self.stream is not None
         if not topk and (cuda or hasattr(sys.modules["vllm"], "__kernel_env__")):
             topk = stable_decode_topk
         references(self.patch, [sparse_indexer], self.device, paged_logits, topk)
@@ -929,7 +863,7 @@ class Run:
             self.stream.wait_stream(torch.cuda.current_stream())
             stack.enter_context(torch.cuda.stream(self.stream))
         for side in self.sides[1:]:
-            build_stage(side, self.registry, select=cfg.select)
+            build_stage(side, self.registry, select=self.cfg.select)
             if watch:
                 self.spies.watch(side.stage)
 
@@ -939,9 +873,8 @@ class Run:
         report.launches = self.spies.launches
         with contextlib.ExitStack() as stack:
             self.setup(stack)
-            report.why_not_fused = sum(
-                (s.stage.why_not_fused for s in self.sides[1:]), []
-            )
+            why = (s.stage.why_not_fused for s in self.sides[1:])
+            report.why_not_fused = sum(why, [])
             index = 0
             while self.sim.sched.decode_steps < cfg.work.decode_steps:
                 self.step(index, report)
@@ -965,9 +898,8 @@ class Run:
 
     def run_side(self, side: Model, fwd, how: str) -> None:
         key, stage = (side.name, how, fwd.key), side is not self.sides[0]
-        mode = CUDAGraphMode[
-            dict(eager="NONE", full="FULL", piecewise="PIECEWISE")[how]
-        ]
+        modes = dict(eager="NONE", full="FULL", piecewise="PIECEWISE")
+        mode = CUDAGraphMode[modes[how]]
         if how == "full" and self.hosts.setdefault(key, fwd.host) != fwd.host:
             raise AssertionError(
                 f"FULL graph {key} captured with host values {self.hosts[key]}, "
@@ -992,14 +924,10 @@ class Run:
             if graph is None:
                 # Captured as vLLM captures: a profiling forward (no
                 # metadata), whose eager breaks write nothing.
-                graph = self.graphs[key] = breakable.BreakableCUDAGraphCapture(
-                    pool=self.pool
-                )
-                with (
-                    side.active(),
-                    override_forward_context(context(fwd, mode, None)),
-                    graph,
-                ):
+                graph = breakable.BreakableCUDAGraphCapture(pool=self.pool)
+                self.graphs[key] = graph
+                profiling = override_forward_context(context(fwd, mode, None))
+                with side.active(), profiling, graph:
                     side.forward(fwd)
                 self.stats["piecewise_capture"] += stage
             with side.active(), override_forward_context(context(fwd, mode)):
@@ -1030,9 +958,8 @@ class Run:
             (f"next_n {batch.next_n}", batch.num_decodes > 0),
         ):  # fmt: skip
             s[name] += counted
-        report.max_context = max(
-            report.max_context, *(i.start + i.q_len for i in batch.items)
-        )
+        ends = (i.start + i.q_len for i in batch.items)
+        report.max_context = max(report.max_context, *ends)
         with override_forward_context(context(fwd)):
             report.planned += self.sides[1].stage.planned()
         sides = self.sides
@@ -1049,10 +976,8 @@ class Run:
         sim.sched.commit(batch)
 
     def compare(self, fwd, index: int, report: Report) -> None:
-        stock, where = self.sides[0], []
-        for side in self.sides[1:]:
-            where += [(side, layer) for layer in range(self.cfg.geo.layers)]
-        found = flags(stock, where, fwd.tokens, self.cfg.select)
+        where = [(s, i) for s in self.sides[1:] for i in range(self.cfg.geo.layers)]
+        found = flags(self.sides[0], where, fwd.tokens, self.cfg.select)
         for (side, layer), values in zip(where, found, strict=True):
             *diffs, deferred, fused = values
             report.deferred += deferred
@@ -1092,10 +1017,7 @@ class Step:
     scale_fmt: str | None = "ue8m0"
     stride_rows: int = 64
     first_layer: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.q_lens) + self.prefill
+    tokens = property(lambda s: sum(s.q_lens) + s.prefill)
 
     def geometry(self) -> Geometry:
         longest = max(c + q for c, q in zip(self.ctx, self.q_lens, strict=True))
@@ -1122,9 +1044,8 @@ class Bench:
     def __init__(self, spies: Spies, step: Step, stock_module=None, *, mx=False,
                  registry=None, max_rows=None, select=False, warm=True,
                  **model):  # fmt: skip
-        self.sim = Sim(
-            step.geometry(), step.backend(mx), "cpu", step.seed, spies.timeline
-        )
+        geo, backend = step.geometry(), step.backend(mx)
+        self.sim = Sim(geo, backend, "cpu", step.seed, spies.timeline)
         self.spies, self.stock_module, self.model = spies, stock_module, model
         self.batch = None
         self.use(step)
