@@ -2,17 +2,13 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The self-check's cases: randomized inputs of each kpool kernel in one
 compile key's layout, and what its stock twin makes of them; the one place
-the kernels' edge values are drawn (the GPU tests draw keys and take their
-cases from here).
+the kernels' edge values are drawn (the GPU tests take their cases here).
 
 A ``Case`` holds the kernel's keyword arguments, every buffer the kernel may
-write (whole: rows and columns past its outputs included; the outputs filled
-with random bytes first, ``poisoned``; the update's cache random bytes and its
-tail ring random BF16 values, which the kernel also reads), and copies of
-those buffers as the stock twin leaves them (computed when the case is drawn,
-before any launch; where stock leaves memory unwritten, only what it wrote is
-read). The opt-in select has no stock twin of the same bytes: its expected
-rows are its contract (``select_reference``)."""
+write (whole, filled with random bytes first: ``poisoned``) and copies of
+them as the stock twin leaves them, computed when the case is drawn (where
+stock leaves memory unwritten, only what it wrote is read). The opt-in
+select's expected rows are its contract (``select_reference``)."""
 
 import random
 from dataclasses import dataclass
@@ -125,14 +121,11 @@ def _update_values(modes, shape, edge, rng, gen):
 
 
 def update_case(rng: random.Random, gen: torch.Generator, key) -> Case:
-    """A decode step's tail update in ``key``'s cache layout: 1-256
-    requests of 1-4 tokens, each request in one of ``MODES``, one of
-    ``EDGES``; positions from ``STARTS``, padding requests (-1) and
-    tokens (-1..-3); tail slots -1 (block 0, no request's, is read then);
-    slot writes on pool completions and some on other tokens (ignored);
-    specials in the tail ring and APE; keys a view of wider rows. Stock
-    writes the scales of this process (``mqa_logits_use_mx_scales``), the
-    key's (a deployment's stage reads them at install)."""
+    """A decode step's tail update in ``key``'s cache layout: 1-256 requests
+    of 1-4 tokens in ``MODES``, one of ``EDGES``; positions from ``STARTS``,
+    padding; tail slots -1 (block 0 is read then); slot writes on pool
+    completions and other tokens (ignored); specials in the tail ring and
+    APE; keys a view of wider rows. Stock writes this process's scales."""
     if key.mx_scales != kpool_compress.mqa_logits_use_mx_scales():
         raise ValueError(
             f"key: expected mx_scales={kpool_compress.mqa_logits_use_mx_scales()} "
@@ -182,13 +175,10 @@ def update_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     rows = torch.randn(requests, tokens + spare, DIM, **g).bfloat16()
     rows[:, :tokens] = keys
     arguments = dict(
-        tail_slot_mapping=tail_slots.to(key.tail_slots_dtype),
-        key=rows[:, :tokens],
-        slot_score=scores,
-        ape=ape,
-        slot_mapping=slots.to(key.slots_dtype),
+        tail_slot_mapping=tail_slots.to(key.tail_slots_dtype), key=rows[:, :tokens],
+        slot_score=scores, ape=ape, slot_mapping=slots.to(key.slots_dtype),
         positions=positions.to(key.positions_dtype),
-    )
+    )  # fmt: skip
     arguments |= dict(pool_size=POOL, head_dim=DIM, round_scale=key.round_scale)
     cache_view = ((pages, key.page, DIM + 4), (key.page_bytes, DIM + 4, 1))
     want = (cache.clone(), tail.clone())
@@ -303,24 +293,15 @@ def remap_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     valid = want_counts[:rows] if key.counts else None
     layout = (key.block_size, key.stride_rows, key.width)  # BLOCK_SIZE, ...
     triton_convert_req_index_to_global_index(
-        *(req_ids, table, logical, *layout),
-        return_valid_counts=key.counts,
-        out=want_out[:rows],
-        valid_counts_out=valid,
-    )
+        *(req_ids, table, logical, *layout), return_valid_counts=key.counts,
+        out=want_out[:rows], valid_counts_out=valid,
+    )  # fmt: skip
     arguments = dict(
-        pool_ids=ids,
-        positions=positions,
-        pool_size=POOL,
-        req_ids=req_ids,
-        block_table=table,
-        out=out[:rows],
-        counts=counts[:rows] if key.counts else None,
-        block_size=key.block_size,
-        stride_rows=key.stride_rows,
-        seq_offset=1,
-        int32_lengths=key.int32_lengths,
-    )
+        pool_ids=ids, positions=positions, pool_size=POOL, req_ids=req_ids,
+        block_table=table, out=out[:rows],
+        counts=counts[:rows] if key.counts else None, block_size=key.block_size,
+        stride_rows=key.stride_rows, seq_offset=1, int32_lengths=key.int32_lengths,
+    )  # fmt: skip
     return Case(arguments, (out, counts), (want_out, want_counts))
 
 
@@ -372,10 +353,7 @@ def upcast_case(rng: random.Random, gen: torch.Generator, key) -> Case:
 
 
 def select_reference(logits: torch.Tensor, ends: torch.Tensor, k: int):
-    """The select's contract by sorting: per row the columns below
-    ``clamp(end, 0, width)``, all of them then -1 if at most ``k``, else the
-    ``k`` largest order keys, ties to the lower column, in ascending column
-    order."""
+    """``SelectKernel``'s contract (its docstring), by sorting."""
     rows, width = logits.shape
     if logits.dtype == torch.bfloat16:
         bits, sign, full = logits.view(torch.int16).long() & 0xFFFF, 1 << 15, 0xFFFF

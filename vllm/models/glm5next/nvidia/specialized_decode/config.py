@@ -2,33 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The deployment's choice: ``additional_config`` and the environment read
 into a ``DecodeConfig``, and what a deployment must have to run the
-``dsa_kpool`` stage.
-
-- ``decode_backend``: ``"auto"`` (default) runs the stock decode,
-  ``"latency_specialized"`` the stages;
-- ``specialized_decode_skip``: stage names to leave out;
-- ``specialized_decode_self_check``: ``"on"`` / ``"off"`` / ``"strict"``,
-  overridden by ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK`` (both are checked; a
-  warning names the override where they differ);
-- ``VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED``: the self-check's seed, decimal
-  ASCII digits of a value in [0, 2**31) (31 bits, as the self-check's
-  failure line prints it); unset, ``runtime/warmup.py``'s
-  ``SEED`` (0), the same on every rank;
-- ``kpool_select``: ``true`` runs the stage's own pool top-k (stock's set
-  where no tie straddles its threshold, in ascending pool order: not
-  stock's bytes) at every batch size, so that a row's pools do not depend
-  on its batch; ``"one_wave"`` only where every row's cluster is resident
-  at once (stock's top-k, faster on FP32 logits there, for larger
-  batches); default ``false``.
+``dsa_kpool`` stage. docs/reference.md tables the settings.
 
 Every setting is read and checked first, whatever the backend: a bad value
 raises a ``ValueError`` that echoes it and says where it came from. Then,
 with ``latency_specialized``, the requirements (one error lists every one
 missed); under ``auto`` one warning names the settings that are set but
-only matter with ``latency_specialized``. A key that looks like a setting
-but is none (``decode-backend``, ``select_kpool``) warns with the nearest
-valid key, and a ``VLLM_`` variable named like this stage's
-(``VLLM_GLM5NEXT_KPOOL_SELFCHECK``) with the nearest valid variable. vLLM is
+only matter with ``latency_specialized``. A key or ``VLLM_`` variable named
+like a setting but none warns with the nearest valid name. vLLM is
 imported inside the functions.
 """
 
@@ -66,8 +47,7 @@ class DecodeConfig:
     backend: str = "auto"
     # The stages this deployment runs, in STAGES order.
     stages: tuple[str, ...] = STAGES
-    # The warmup self-check: "on", "off" or "strict", and its seed (None:
-    # not given, the warmup's own).
+    # The warmup self-check's mode and seed (None: the warmup's own).
     self_check: str = "on"
     self_check_seed: int | None = None
     # The opt-in pool select in place of stock's top-k (not stock's bytes),
@@ -94,14 +74,12 @@ def read_settings(extra: dict, environ) -> DecodeConfig:
     # Both checked; the variable, where set, overrides the key.
     modes = {}
     if environ.get(SELF_CHECK_ENV):
-        modes[f"environment {SELF_CHECK_ENV}"] = environ[SELF_CHECK_ENV]
+        modes[SELF_CHECK_ENV] = environ[SELF_CHECK_ENV]
     if SELF_CHECK_KEY in extra:
-        modes[f"additional_config {SELF_CHECK_KEY}"] = extra[SELF_CHECK_KEY]
-    for source, value in modes.items():
+        modes[SELF_CHECK_KEY] = extra[SELF_CHECK_KEY]
+    for name, value in modes.items():
         if value not in SELF_CHECK_MODES:
-            raise ValueError(
-                f"{source}={value!r}: expected one of {list(SELF_CHECK_MODES)}"
-            )
+            raise _bad(name, value, f"one of {list(SELF_CHECK_MODES)}")
     mode = next(iter(modes.values()), "on")
     seed = read_seed(environ.get(SELF_CHECK_SEED_ENV) or None)
     select = extra.get(SELECT_KEY, False)
@@ -113,11 +91,8 @@ def read_settings(extra: dict, environ) -> DecodeConfig:
         logger.warning(
             "GLM-5-Next specialized decode: the self-check is %r from "
             "environment %s, which overrides additional_config %s=%r.",
-            mode,
-            SELF_CHECK_ENV,
-            SELF_CHECK_KEY,
-            extra[SELF_CHECK_KEY],
-        )
+            mode, SELF_CHECK_ENV, SELF_CHECK_KEY, extra[SELF_CHECK_KEY],
+        )  # fmt: skip
     return DecodeConfig(
         backend=backend,
         stages=tuple(name for name in STAGES if name not in skip),
@@ -143,23 +118,19 @@ def read_seed(text: str | None) -> int | None:
     digits = len(text.lstrip("0"))
     if SEED_DIGITS.fullmatch(text) and digits <= 10 and int(text) < SEED_LIMIT:
         return int(text)
-    raise ValueError(
-        f"environment {SELF_CHECK_SEED_ENV}={text!r}: expected a decimal integer "
-        f"in [0, {SEED_LIMIT - 1}]"
-    )
+    expected = f"a decimal integer in [0, {SEED_LIMIT - 1}]"
+    raise _bad(SELF_CHECK_SEED_ENV, text, expected)
 
 
-def _bad(key: str, value, expected: str) -> ValueError:
-    return ValueError(f"additional_config {key}={value!r}: expected {expected}")
+def _bad(name: str, value, expected: str) -> ValueError:
+    """A bad setting's error: ``value`` echoed with its source."""
+    source = "environment" if name in ENV_VARS else "additional_config"
+    return ValueError(f"{source} {name}={value!r}: expected {expected}")
 
 
 def specialized_decode_config(vllm_config, environ=os.environ) -> DecodeConfig | None:
-    """The specialized decode settings, or None for the stock decode.
-
-    Raises ValueError for a bad value (echoed, with its source) or, when a
-    stage is on, for a deployment missing any requirement (all listed at
-    once, each with the setting that changes it).
-    """
+    """The specialized decode settings, or None for the stock decode; raises
+    ValueError for a bad value or missed requirements (all listed at once)."""
     extra = vllm_config.additional_config
     config = read_settings(extra if isinstance(extra, dict) else {}, environ)
     if config.backend == "auto":
@@ -168,11 +139,8 @@ def specialized_decode_config(vllm_config, environ=os.environ) -> DecodeConfig |
             logger.warning(
                 "GLM-5-Next specialized decode: %s only take effect with "
                 "additional_config %s=%s; ignored under %s=auto.",
-                ", ".join(ignored),
-                BACKEND_KEY,
-                BACKEND,
-                BACKEND_KEY,
-            )
+                ", ".join(ignored), BACKEND_KEY, BACKEND, BACKEND_KEY,
+            )  # fmt: skip
         return None
     if config.stages:
         missing = unsupported(vllm_config)
@@ -196,8 +164,7 @@ GENERIC = frozenset({"decode", "specialized", "kpool", "glm5next", "vllm"})
 def nearest(name: str, valid: tuple[str, ...]) -> str | None:
     """The valid name ``name`` (lower case, ``_`` between words) most likely
     meant: the same words in another order, two or more of one's words (not
-    only the generic ones), its words run together, else the closest
-    spelling; None where none is close."""
+    only generic ones), its words run together, else the closest spelling."""
     words, compact = _words(name), name.replace("_", "")
     for near in (
         [k for k in valid if _words(k) == words],
@@ -227,10 +194,9 @@ def warn_unknown_keys(extra: dict) -> None:
             logger.warning(
                 "additional_config key %r is not a GLM-5-Next specialized "
                 "decode setting and is ignored%s (valid keys: %s).",
-                key,
-                f"; did you mean {near!r}?" if near else "",
+                key, f"; did you mean {near!r}?" if near else "",
                 ", ".join(CONFIG_KEYS),
-            )
+            )  # fmt: skip
 
 
 def _tail(variable: str) -> str:
@@ -253,10 +219,8 @@ def warn_unknown_variables(environ) -> None:
         logger.warning(
             "environment variable %s is not a GLM-5-Next specialized decode "
             "variable and is ignored%s (valid variables: %s).",
-            name,
-            f"; did you mean {near}?" if near else "",
-            ", ".join(ENV_VARS),
-        )
+            name, f"; did you mean {near}?" if near else "", ", ".join(ENV_VARS),
+        )  # fmt: skip
 
 
 def unsupported(vllm_config) -> list[str]:

@@ -7,17 +7,13 @@ steps (``KpoolStage``, ``FusedRemap``).
 
 Each function is its kernel's contract (the kernel class's docstring in
 ``cutedsl/<op>/launch.py``), takes what its rule (``check`` there) admits
-and raises ``Refused`` (a
-``ValueError``) naming the argument otherwise; the stage sends such inputs,
-and any whose kernel its warmup did not compile and check, to the stock
-function. A function compiles a kernel variant on first use (never inside
-a CUDA graph capture); launches go through TVM-FFI on torch's current
-stream, with PDL.
-
-One function is not bit for bit: ``select_topk``, the pool top-k, gives the
-set of stock's decode top-k in its own stated order and tie choice
-(``cutedsl/select/kernel.py``); the stage runs it only where the deployment
-opts in (``kpool_select``).
+and raises ``Refused`` (a ``ValueError``) naming the argument otherwise; the
+stage sends such inputs, and any whose kernel its warmup did not compile and
+check, to the stock function. A function compiles a kernel variant on first
+use (never inside a CUDA graph capture); launches go through TVM-FFI on
+torch's current stream, with PDL. One is not bit for bit: ``select_topk``,
+stock's set in its own stated order and tie choice, which the stage runs
+only where the deployment opts in (``kpool_select``).
 """
 
 import torch
@@ -33,92 +29,48 @@ from .runtime.remap import FusedRemap
 from .runtime.stage import KpoolStage
 
 __all__ = [
-    "FusedRemap",
-    "KpoolStage",
-    "Refused",
-    "expand_and_remap",
-    "expand_pools",
-    "kpool_update",
-    "select_topk",
-    "upcast_logits",
-]
+    "FusedRemap", "KpoolStage", "Refused", "expand_and_remap", "expand_pools",
+    "kpool_update", "select_topk", "upcast_logits",
+]  # fmt: skip
 
 
 def kpool_update(
-    kv_cache: torch.Tensor,
-    tail_kv_cache: torch.Tensor,
-    tail_slot_mapping: torch.Tensor,
-    key: torch.Tensor,
-    slot_score: torch.Tensor,
-    ape: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    pool_size: int,
-    *,
-    mx_scales: bool = True,
-    round_scale: bool = True,
-) -> None:
+    kv_cache: torch.Tensor, tail_kv_cache: torch.Tensor,
+    tail_slot_mapping: torch.Tensor, key: torch.Tensor, slot_score: torch.Tensor,
+    ape: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
+    pool_size: int, *, mx_scales: bool = True, round_scale: bool = True,
+) -> None:  # fmt: skip
     """``UpdateKernel``'s contract (``head_dim`` 128)."""
     UPDATE(
-        kv_cache=kv_cache,
-        tail_kv_cache=tail_kv_cache,
-        tail_slot_mapping=tail_slot_mapping,
-        key=key,
-        slot_score=slot_score,
-        ape=ape,
-        slot_mapping=slot_mapping,
-        positions=positions,
-        pool_size=pool_size,
-        head_dim=DIM,
-        mx_scales=mx_scales,
+        kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape,
+        slot_mapping, positions, pool_size, DIM, mx_scales=mx_scales,
         round_scale=round_scale,
-    )
+    )  # fmt: skip
 
 
 def expand_pools(
-    pool_ids: torch.Tensor,
-    seq_lens: torch.Tensor,
-    pool_size: int,
-    *,
-    seq_offset: int = 0,
-    out: torch.Tensor,
-) -> torch.Tensor:
+    pool_ids: torch.Tensor, seq_lens: torch.Tensor, pool_size: int, *,
+    seq_offset: int = 0, out: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """``ExpandKernel``'s contract; returns ``out``."""
     return EXPAND(
-        pool_ids=pool_ids,
-        seq_lens=seq_lens,
-        pool_size=pool_size,
-        seq_offset=seq_offset,
-        out=out,
-    )
+        pool_ids=pool_ids, seq_lens=seq_lens, pool_size=pool_size,
+        seq_offset=seq_offset, out=out,
+    )  # fmt: skip
 
 
 def expand_and_remap(
-    pool_ids: torch.Tensor,
-    positions: torch.Tensor,
-    pool_size: int,
-    req_ids: torch.Tensor,
-    block_table: torch.Tensor,
-    out: torch.Tensor,
-    counts: torch.Tensor | None = None,
-    *,
-    block_size: int,
-    stride_rows: int,
+    pool_ids: torch.Tensor, positions: torch.Tensor, pool_size: int,
+    req_ids: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
+    counts: torch.Tensor | None = None, *, block_size: int, stride_rows: int,
     seq_offset: int = 1,
-) -> None:
+) -> None:  # fmt: skip
     """``RemapKernel``'s contract."""
     REMAP(
-        pool_ids=pool_ids,
-        positions=positions,
-        pool_size=pool_size,
-        req_ids=req_ids,
-        block_table=block_table,
-        out=out,
-        counts=counts,
-        block_size=block_size,
-        stride_rows=stride_rows,
-        seq_offset=seq_offset,
-    )
+        pool_ids=pool_ids, positions=positions, pool_size=pool_size,
+        req_ids=req_ids, block_table=block_table, out=out, counts=counts,
+        block_size=block_size, stride_rows=stride_rows, seq_offset=seq_offset,
+    )  # fmt: skip
 
 
 def upcast_logits(
@@ -129,11 +81,8 @@ def upcast_logits(
 
 
 def select_topk(
-    logits: torch.Tensor,
-    ends: torch.Tensor,
-    k: int,
-    *,
+    logits: torch.Tensor, ends: torch.Tensor, k: int, *,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """``SelectKernel``'s contract; returns the int32 [rows, k] ids."""
     return SELECT(logits=logits, ends=ends, k=k, out=out)

@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The stage's self-check at the JIT warmup: on the deployment's own GPU,
-every compiled kernel variant runs ``CASES`` randomized cases
-(``cases.py``: edge values, the variant's layout) with the executor the
-stage would launch, and the buffers each case lists as written (whole,
-``Case.written``) are compared, byte for byte, with what its stock twin
-writes (the opt-in select: with its contract). Case N of seed S is drawn
-from seed S + N alone. One sync at the end.
-
-``check(executors, seed, device)`` returns the first mismatch as "kernel
-case N (seed S): what" or None; ``KpoolStage`` then stays off and the decode
-runs stock."""
+every compiled kernel variant runs ``CASES`` randomized cases (``cases.py``)
+with the executor the stage would launch, and the buffers each case lists
+as written are compared, byte for byte, with what its stock twin writes (the
+opt-in select: with its contract). Case N of seed S is drawn from seed
+S + N alone. One sync at the end."""
 
 import random
 
@@ -24,10 +19,9 @@ CASES = 64
 
 
 def check(executors: dict, seed: int, device) -> str | None:
-    """Runs ``CASES`` cases of each compile key of ``executors`` (key ->
-    executor); the first case the rule refuses or whose arguments derive
-    another key (neither launched), else the first whose bytes differ from
-    stock's, or None."""
+    """Runs ``CASES`` cases of each key of ``executors`` (key -> executor):
+    the first case the rule refuses or that derives another key (neither
+    launched), else the first that differs from stock's, or None."""
     results = []
     for key, executor in executors.items():
         kernel = next(k for k in DRAWS if isinstance(key, k.CompileKey))

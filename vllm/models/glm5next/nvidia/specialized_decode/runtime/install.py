@@ -1,13 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Installing the stage at model build (patch 0003), and the process's
-registry of installed stages (``sparse_indexer.SPECIALIZED_KPOOL``).
-
-Each engine gets its own ``KpoolStage``; the registry tells them apart by
-the indexer's top-k buffer, which every DSA layer of one model shares and no
-two models do. The model holds its stage (patch 0003) and the registry only
-refers to it, so a stage leaves the registry with its model.
-"""
+registry of installed stages (``sparse_indexer.SPECIALIZED_KPOOL``)."""
 
 import weakref
 
@@ -19,14 +13,15 @@ logger = init_logger(__name__)
 
 
 class StageRegistry:
-    """The installed kpool stages of this process, by the data pointer of
-    their model's indexer top-k buffer: ``sparse_indexer.SPECIALIZED_KPOOL``
-    (a ``hook.KpoolHook``)."""
+    """``sparse_indexer.SPECIALIZED_KPOOL`` (a ``hook.KpoolHook``): each
+    engine's ``KpoolStage``, by the data pointer of its indexer top-k buffer,
+    which every DSA layer of one model shares and no two models do. The
+    model holds its stage (patch 0003) and the registry only refers to it,
+    so a stage leaves the registry with its model."""
 
     def __init__(self) -> None:
-        self.by_buffer: weakref.WeakValueDictionary[int, object] = (
-            weakref.WeakValueDictionary()
-        )
+        self.by_buffer: weakref.WeakValueDictionary[int, object]
+        self.by_buffer = weakref.WeakValueDictionary()
 
     def add(self, stage, buffer) -> None:
         key = buffer.data_ptr()
@@ -38,8 +33,6 @@ class StageRegistry:
         self.by_buffer[key] = stage
 
     def decode_step(self, metadata, layer, positions, topk_tokens, pool_size, buffer):
-        """Patch 0002's call: the ``LayerStep`` of the stage of the model
-        ``buffer`` belongs to, or None (stock)."""
         stage = self.by_buffer.get(buffer.data_ptr())
         if stage is None:
             return None
@@ -59,20 +52,15 @@ def registry() -> StageRegistry:
 
 def install(vllm_config, attentions):
     """Installs the ``dsa_kpool`` stage on the GLM-5-Next model's DSA
-    attention layers (``Glm5NextMLAAttention`` with an indexer, the main model
-    only) when the deployment asks for it: builds the ``KpoolStage``, adds it
-    to the registry, registers its JIT warmup and logs what a planned step
-    runs. Returns the stage, or None (stock decode). The stage plans no step
-    before its warmup compiled and self-checked its kernels."""
+    attention layers (the main model's) when the deployment asks for it, and
+    registers its JIT warmup. Returns the stage (which plans no step before
+    its warmup passed), or None (stock decode)."""
     config = specialized_decode_config(vllm_config)
     if config is None:
         return None
     if STAGE not in config.stages or not attentions:
-        logger.info(
-            "GLM-5-Next specialized decode: %s off (%s).",
-            STAGE,
-            "left out" if attentions else "no DSA layers",
-        )
+        why = "left out" if attentions else "no DSA layers"
+        logger.info("GLM-5-Next specialized decode: %s off (%s).", STAGE, why)
         return None
 
     from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
@@ -82,34 +70,26 @@ def install(vllm_config, attentions):
     max_rows = decode_capacity(vllm_config)
     buffer = attentions[0].indexer.topk_indices_buffer
     stage = KpoolStage(
-        attentions,
-        max_rows,
-        buffer.device,
-        mx_scales=mqa_logits_use_mx_scales(),
-        select=config.select,
-        select_one_wave=config.select_one_wave,
-        self_check=config.self_check,
-        seed=config.self_check_seed,
-    )
+        attentions, max_rows, buffer.device, mx_scales=mqa_logits_use_mx_scales(),
+        select=config.select, select_one_wave=config.select_one_wave,
+        self_check=config.self_check, seed=config.self_check_seed,
+    )  # fmt: skip
     registry().add(stage, buffer)
     stage.warmup.register()
     logger.info(
         "GLM-5-Next specialized decode: %s installed for decode-only steps of "
         "up to %d rows, on once the JIT warmup compiled and self-checked its "
         "kernels; attention backend %s; DSA layers: %s.",
-        STAGE,
-        max_rows,
-        type(attentions[0].mla_attn.mla_attn.impl).__name__,
+        STAGE, max_rows, type(attentions[0].mla_attn.mla_attn.impl).__name__,
         "; ".join(stage.engagement(attentions)),
-    )
+    )  # fmt: skip
     say_batch_invariance(stage)
     return stage
 
 
 def say_batch_invariance(stage) -> None:
     """Under vLLM's batch-invariant mode, says once whether the indexer's
-    decode top-k is batch-invariant: the select at every batch size is,
-    stock's top-k (its order and ties from atomics) is not."""
+    decode top-k is: the select at every batch size is, stock's is not."""
     from vllm.envs import VLLM_BATCH_INVARIANT
 
     if not VLLM_BATCH_INVARIANT:

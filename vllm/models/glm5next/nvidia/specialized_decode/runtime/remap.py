@@ -23,9 +23,8 @@ def group_converting_decodes() -> tuple:
     """The ``forward_mqa`` of the decode paths that convert the top-k of
     decode-only steps through the index group, where a deferred top-k is
     expanded: the shared sparse MLA decode (FlashInfer SM100; FlashAttention's
-    with patch 0005's flag), FlashMLA's, and FlashInfer SM90's with patch
-    0005's flag. Any other ``forward_mqa`` may read the logical rows a
-    deferral leaves unset."""
+    with patch 0005's flag), FlashMLA's, and FlashInfer SM90's with that flag.
+    Any other may read the logical rows a deferral leaves unset."""
     from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 import (
         FlashInferMLASparseSM90Impl,
     )
@@ -75,16 +74,12 @@ class Deferred(NamedTuple):
 
 class FusedRemap:
     """A sparse MLA index group's ``conversion`` that expands a deferred pool
-    top-k and remaps it in one kernel, on the group's side stream as the
-    stock conversion, with or without counts. It mirrors the stock decode:
-    ``expand_pools_and_append_tail`` of ``positions.to(torch.int32) + 1``,
-    then ``triton_convert_req_index_to_global_index``. Without a deferred
-    top-k, or when the kernel declines it, the stock conversion runs
-    (declined: on the logical rows ``materialize`` writes first).
-
-    One per group, and so per layer (a fused group has one): it holds its
-    layer's hand-off, which a step fills (``hand_over``) and the conversion
-    empties."""
+    top-k and remaps it in one kernel (``RemapKernel``), on the group's side
+    stream as the stock conversion. Without a deferred top-k, or when the
+    kernel declines it, the stock conversion runs (declined: on the logical
+    rows ``materialize`` writes first). One per group, and so per layer: it
+    holds its layer's hand-off, which a step fills (``hand_over``) and the
+    conversion empties."""
 
     def __init__(self, group: SparseMLAIndexGroup, stage):
         self.group, self.stage = group, stage
@@ -102,29 +97,18 @@ class FusedRemap:
         self.pending = deferred
 
     def __call__(
-        self,
-        stock,
-        layer_index: int,
-        logical: torch.Tensor,
-        req_ids: torch.Tensor,
-        block_table: torch.Tensor,
-        block_size: int,
-        *,
-        block_stride_rows: int | None,
-        return_valid_counts: bool,
-    ):
+        self, stock, layer_index: int, logical: torch.Tensor, req_ids: torch.Tensor,
+        block_table: torch.Tensor, block_size: int, *,
+        block_stride_rows: int | None, return_valid_counts: bool,
+    ):  # fmt: skip
         pending, self.pending = self.pending, None
         if pending is not None:
             if layer_index == 0:
+                stride = block_size if block_stride_rows is None else block_stride_rows
                 fused = self.fused(
-                    pending,
-                    logical.shape[0],
-                    req_ids,
-                    block_table,
-                    block_size,
-                    block_size if block_stride_rows is None else block_stride_rows,
-                    return_valid_counts,
-                )
+                    pending, logical.shape[0], req_ids, block_table, block_size,
+                    stride, return_valid_counts,
+                )  # fmt: skip
                 if fused is not None:
                     return fused
             # The stock conversion reads the logical rows: write them, and
@@ -133,43 +117,28 @@ class FusedRemap:
             self.stage.materialize(pending, logical)
             self.group.set_logical_topk_ready(layer_index)
         return stock(
-            layer_index,
-            logical,
-            req_ids,
-            block_table,
-            block_size,
+            layer_index, logical, req_ids, block_table, block_size,
             block_stride_rows=block_stride_rows,
             return_valid_counts=return_valid_counts,
-        )
+        )  # fmt: skip
 
     def fused(
-        self,
-        pending: Deferred,
-        rows: int,
-        req_ids,
-        block_table,
-        block_size: int,
-        stride_rows: int,
-        counts: bool,
-    ):
+        self, pending: Deferred, rows: int, req_ids, block_table, block_size: int,
+        stride_rows: int, counts: bool,
+    ):  # fmt: skip
         """The fused conversion's result, or None where the stage's remap
         does not take it (the caller converts stock)."""
         group = self.group
         if rows > group.physical_topk_indices.shape[0]:
             return None
         arguments = dict(
-            pool_ids=pending.pool_ids,
-            positions=pending.positions,
-            pool_size=POOL,
-            req_ids=req_ids,
-            block_table=block_table,
+            pool_ids=pending.pool_ids, positions=pending.positions, pool_size=POOL,
+            req_ids=req_ids, block_table=block_table,
             out=group.physical_topk_indices[:rows],
             counts=group.valid_topk_counts[:rows] if counts else None,
-            block_size=block_size,
-            stride_rows=stride_rows,
-            seq_offset=1,
+            block_size=block_size, stride_rows=stride_rows, seq_offset=1,
             int32_lengths=True,
-        )
+        )  # fmt: skip
         # The kernel's call in its two halves (``kernel_launcher``'s): the
         # spec decides before the side stream is ordered, so that a refused
         # or unchecked key leaves the streams as stock's conversion finds them.

@@ -1,19 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The ``dsa_kpool`` stage of one engine: what its planned decode steps run
-in place of the stock kpool indexer, and the state they need.
-
-The indexer (patch 0002) asks the stage for a ``LayerStep`` at the top of
-its decode branch and calls it twice: for the tail update, and from the
-scores on (``decode_rows``). Each fused layer's index group converts through
-its ``FusedRemap`` (patch 0005's ``conversion`` hook), which expands the
-pool top-k that ``decode_rows`` deferred to it.
-
-Every kernel launch goes through the stage's own kernel instances
-(``KpoolStage.kernels``): the kernel's call, its rule, then an executor this
-stage's warmup compiled and self-checked for the arguments' key; anything
-else returns ``STOCK`` and the stock kernel runs.
-"""
+in place of the stock kpool indexer (``hook.py`` states what the indexer
+calls), and the state they need. Every launch goes through the stage's own
+kernel instances (``KpoolKernel``'s docstring): anything its warmup did not
+compile and self-check returns ``STOCK``, and the stock kernel runs."""
 
 from typing import NamedTuple
 
@@ -51,64 +42,40 @@ class StageKernels(NamedTuple):
 
 
 class LayerStep:
-    """One DSA layer's decode in a planned step (a ``hook.KpoolLayerStep``):
-    patch 0002's calls, and whether it defers its pool top-k to the layer's
-    conversion (``deferring``: the indexer then leaves its logical rows
-    unfilled)."""
+    """One DSA layer's decode in a planned step: a ``hook.KpoolLayerStep``,
+    deferring to ``remap`` where given."""
 
     def __init__(self, stage: "KpoolStage", remap: FusedRemap | None):
         self.stage, self.remap = stage, remap
         self.deferring = remap is not None
 
     def update(self, *stock_args, round_scale=True) -> None:
-        """``kpool_decode_update_and_maybe_write_cache_batched(*stock_args,
-        round_scale=round_scale)``: its positional arguments, as the indexer
-        passes them."""
-        stage = self.stage
-        if (
-            stage.kernels.update.serve(
-                *stock_args, mx_scales=stage.mx_scales, round_scale=round_scale
-            )
-            is STOCK
-        ):
+        update = self.stage.kernels.update
+        mx = self.stage.mx_scales
+        if update.serve(*stock_args, mx_scales=mx, round_scale=round_scale) is STOCK:
             kpool_decode_update_and_maybe_write_cache_batched(
                 *stock_args, round_scale=round_scale
             )
 
     def decode_rows(
-        self,
-        q,
-        kv_cache: torch.Tensor,
-        weights: torch.Tensor,
-        decode,
-        max_seq_len: int,
-        *,
-        max_model_len: int,
-        topk_tokens: int,
-        topk_backend: str,
-        positions: torch.Tensor | None,
-        buffer: torch.Tensor,
-    ) -> bool:
-        """The stock decode from the scores on, for rows without padding:
-        DeepGEMM's paged scores, ``as_fp32_logits``, the pool top-k
-        (``get_indexer_topk(topk_backend)``, or the opt-in select), then the
-        pool expansion into ``buffer``, or the hand-over of the pool ids to
-        the layer's conversion (``deferring``). False: the step's rows need
-        padding, and stock runs (``decode_step`` never defers such a step)."""
+        self, q, kv_cache: torch.Tensor, weights: torch.Tensor, decode,
+        max_seq_len: int, *, max_model_len: int, topk_tokens: int,
+        topk_backend: str, positions: torch.Tensor | None, buffer: torch.Tensor,
+    ) -> bool:  # fmt: skip
+        """The stock decode from the scores on: DeepGEMM's paged scores,
+        ``as_fp32_logits``, the pool top-k (``get_indexer_topk``, or the
+        opt-in select), then the expansion into ``buffer`` or the hand-over
+        to the layer's conversion. Rows that need padding run stock
+        (``decode_step`` never defers them)."""
         if decode.requires_padding or positions is None:
             return False
         next_n = q[0].shape[1]
         seq_lens = decode.seq_lens[: q[0].shape[0]]
         logits = fp8_fp4_paged_mqa_logits(
-            q,
-            kv_cache,
-            weights,
-            seq_lens,
-            decode.block_table,
-            decode.schedule_metadata,
-            max_model_len=max_model_len,
+            q, kv_cache, weights, seq_lens, decode.block_table,
+            decode.schedule_metadata, max_model_len=max_model_len,
             indices=decode.indices,
-        )
+        )  # fmt: skip
         rows, k = logits.shape[0], topk_tokens // POOL
         ends = seq_lens.view(-1)
         stage = self.stage
@@ -126,23 +93,17 @@ class LayerStep:
 
     def selected(self, logits, ends, k: int, out) -> bool:
         """Whether the opt-in select wrote the top ``k`` pools below ``ends``
-        into ``out``: where the deployment opted in, the step defers (its
-        pool order reaches no consumer as logical rows) and this stage's
-        warmup compiled the key: at every batch size, so that a row's pools do not
-        depend on its batch, or (``select_one_wave``) only where one wave of
-        clusters holds the rows. It reads the logits as DeepGEMM gives them
-        (BF16 or FP32: no upcast)."""
+        into ``out`` (no upcast): where the deployment opted in, the step
+        defers (its pool order reaches no consumer as logical rows) and
+        (``select_one_wave``) one wave of clusters holds the rows."""
         stage = self.stage
-        return (
-            stage.select
-            and self.deferring
-            and (
-                not stage.select_one_wave
-                or one_wave(logits.shape[0], logits.shape[1], logits.dtype, stage.sms)
-            )
-            and stage.kernels.select.serve(logits=logits, ends=ends, k=k, out=out)
-            is not STOCK
-        )
+        if not stage.select or not self.deferring:
+            return False
+        rows, width = logits.shape
+        if stage.select_one_wave and not one_wave(rows, width, logits.dtype, stage.sms):
+            return False
+        ran = stage.kernels.select.serve(logits=logits, ends=ends, k=k, out=out)
+        return ran is not STOCK
 
 
 class KpoolStage:
@@ -151,42 +112,28 @@ class KpoolStage:
     ``sparse_indexer.SPECIALIZED_KPOOL``.
 
     It owns the engine's state: which steps are planned (``steps``), its
-    own instance of each kernel (``kernels``), its JIT warmup (``warmup``)
-    and the executors that warmup compiled and self-checked (``executors``:
-    none before, and no step is planned before), the scale format
-    (``mx_scales``, read once at install), the pool buffer deferring steps
-    write, whether the opt-in select runs (``select``; ``select_one_wave``:
-    only where one wave holds the rows, with the SMs its rules count) and
-    each fused layer's ``FusedRemap``. Where every
-    DSA layer's index group can take a ``FusedRemap`` (``fuse``), the
-    indexer leaves its decode rows as pool ids and skips filling the logical
-    top-k buffer, which no consumer reads; ``why_not_fused`` says, per
-    layer, which requirement failed otherwise.
+    kernels, its warmup and the executors that warmup compiled and
+    self-checked (none before: no step is planned before), the scale format
+    read at install, the pool buffer deferring steps write, the opt-in
+    select's settings and each fused layer's ``FusedRemap``. Where every DSA
+    layer's index group can take one (``fuse``), the indexer leaves its
+    decode rows as pool ids and skips filling the logical top-k buffer,
+    which no consumer reads; else ``why_not_fused`` says why, per layer.
     """
 
     def __init__(
-        self,
-        attentions,
-        max_rows: int,
-        device,
-        *,
-        mx_scales: bool,
-        select: bool = False,
-        select_one_wave: bool = False,
-        self_check: str = "on",
+        self, attentions, max_rows: int, device, *, mx_scales: bool,
+        select: bool = False, select_one_wave: bool = False, self_check: str = "on",
         seed: int | None = None,
-    ):
+    ):  # fmt: skip
         attentions = list(attentions)
         self.max_rows, self.mx_scales, self.select = max_rows, mx_scales, select
         self.select_one_wave = select and select_one_wave
         self.executors: dict = {}
         self.kernels = StageKernels(
-            UpdateKernel(self),
-            ExpandKernel(self),
-            RemapKernel(self),
-            UpcastKernel(self),
-            SelectKernel(self),
-        )
+            UpdateKernel(self), ExpandKernel(self), RemapKernel(self),
+            UpcastKernel(self), SelectKernel(self),
+        )  # fmt: skip
         device = torch.device(device)
         # A CUDA tensor's device always carries its index.
         self.sms = sm_count(device.index or 0) if select else 0
@@ -227,19 +174,10 @@ class KpoolStage:
 
     def expand(self, pool_ids, positions, out) -> None:
         """``out[:, :pools * 4 + 3] = expand_pools_and_append_tail(pool_ids,
-        positions.to(torch.int32) + 1, 4)``: the stock decode's expansion of
-        a top-k row into the logical rows."""
-        if (
-            self.kernels.expand.serve(
-                pool_ids=pool_ids,
-                seq_lens=positions,
-                pool_size=POOL,
-                seq_offset=1,
-                out=out,
-                int32_lengths=True,
-            )
-            is STOCK
-        ):
+        positions.to(torch.int32) + 1, 4)``: the stock decode's expansion."""
+        arguments = dict(pool_ids=pool_ids, seq_lens=positions, pool_size=POOL)
+        arguments |= dict(seq_offset=1, out=out, int32_lengths=True)
+        if self.kernels.expand.serve(**arguments) is STOCK:
             expand_pools_and_append_tail(
                 pool_ids, positions.to(torch.int32), POOL, seq_offset=1, out=out
             )
@@ -247,13 +185,11 @@ class KpoolStage:
     def materialize(self, pending: Deferred, logical: torch.Tensor) -> None:
         """The logical top-k rows the stock indexer would have written."""
         logical.fill_(-1)
-        rows = pending.pool_ids.shape[0]
-        self.expand(pending.pool_ids, pending.positions, logical[:rows])
+        self.expand(*pending, logical[: pending.pool_ids.shape[0]])
 
     def pool_ids(self, rows: int, k: int, device, deferring: bool) -> torch.Tensor:
         """Where a step's pool top-k goes: the stage's buffer where the step
-        defers (the conversion reads it later), else a new tensor as
-        stock's."""
+        defers (the conversion reads it later), else a new tensor as stock's."""
         if not deferring:
             return torch.empty((rows, k), dtype=torch.int32, device=device)
         return self.pool_buffer.view(-1)[: rows * k].view(rows, k)
@@ -269,18 +205,13 @@ class KpoolStage:
         )
 
     def decode_step(
-        self,
-        metadata,
-        layer,
-        positions,
-        topk_tokens: int,
-        pool_size: int,
+        self, metadata, layer, positions, topk_tokens: int, pool_size: int,
         buffer: torch.Tensor,
-    ) -> LayerStep | None:
-        """The decode of ``layer``'s indexer in a planned step, else None
-        (stock). The step defers its pool top-k where its rows are the
-        decode tokens in order (no prefill, padding or short causal fill)
-        of a fused layer, within the stage's buffer and the remap's shapes."""
+    ) -> LayerStep | None:  # fmt: skip
+        """``hook.KpoolHook.decode_step`` for this stage. The step defers its
+        pool top-k where its rows are the decode tokens in order (no
+        prefill, padding or short causal fill) of a fused layer, within the
+        stage's buffer and the remap's shapes."""
         if not self.planned():
             return None
         remap = None
@@ -290,13 +221,10 @@ class KpoolStage:
             and not metadata.decode.requires_padding
             and metadata.max_seq_len > topk_tokens
             and self.defers(
-                layer,
-                metadata.num_decode_tokens,
-                topk_tokens // pool_size,
-                pool_size,
-                buffer.shape[1],
+                layer, metadata.num_decode_tokens, topk_tokens // pool_size,
+                pool_size, buffer.shape[1],
             )
-        ):
+        ):  # fmt: skip
             remap = self.remaps[str(layer)]
         return LayerStep(self, remap)
 
@@ -314,11 +242,8 @@ class KpoolStage:
     def engagement(self, attentions) -> list[str]:
         """What a planned step runs on each DSA layer, and why not the rest."""
         scales = "MX scales" if self.mx_scales else "FP32 scales"
-        upcast = (
-            "upcast"
-            if self.mx_scales
-            else "no upcast (FP32 logits, stock returns them)"
-        )
+        upcast = "no upcast (FP32 logits, stock returns them)"
+        upcast = "upcast" if self.mx_scales else upcast
         lines = []
         for attn, why in zip(attentions, self.why_not_fused, strict=True):
             name = str(attn.indexer.k_cache.prefix).removesuffix(".indexer.k_cache")

@@ -1,13 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which forward passes are planned steps of an installed stage: decode-only
-forward passes of the model it is installed on whose rows its buffers hold.
-
-Reads host state only (no device sync), once per forward context, and gives
-a FULL CUDA graph capture the answer of the decode steps that replay it
-(captures are not dummy runs; breakable graphs rerun the indexer eagerly at
-replay, in the step's own forward context).
-"""
+forward passes of its model whose rows its buffers hold. Host state only,
+read once per forward context; a FULL CUDA graph capture gets the answer of
+the decode steps that replay it (captures are not dummy runs; breakable
+graphs rerun the indexer eagerly at replay, in the step's own context)."""
 
 import weakref
 

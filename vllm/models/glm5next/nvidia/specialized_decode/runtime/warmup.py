@@ -41,70 +41,39 @@ def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
         indexer = attn.indexer
         kv, tail = indexer.k_cache.kv_cache, indexer.tail_cache.kv_cache
         groups = indexer.topk_tokens // POOL
-        values.append(
-            (
-                UPDATE,
-                dict(
-                    ring=tail.shape[2],
-                    page=kv.shape[1],
-                    page_bytes=kv.stride(0),
-                    tail_block=tail.stride(0),
-                    tail_half=tail.stride(1),
-                    mx_scales=stage.mx_scales,
-                    round_scale=indexer.scale_fmt is not None,
-                    tail_slots_dtype=SLOTS,
-                    slots_dtype=SLOTS,
-                    # The indexer's int32 copy of the positions.
-                    positions_dtype=torch.int32,
-                ),
-            )
-        )
-        values.append(
-            (EXPAND, dict(groups=groups, seq_lens_dtype=POSITIONS, int32_lengths=True))
-        )
+        update = dict(ring=tail.shape[2], page=kv.shape[1], page_bytes=kv.stride(0))
+        update |= dict(tail_block=tail.stride(0), tail_half=tail.stride(1))
+        scale = indexer.scale_fmt is not None
+        update |= dict(mx_scales=stage.mx_scales, round_scale=scale)
+        # The indexer's int32 copy of the positions.
+        update |= dict(tail_slots_dtype=SLOTS, slots_dtype=SLOTS)
+        update |= dict(positions_dtype=torch.int32)
+        values.append((UPDATE, update))
+        expand = dict(groups=groups, seq_lens_dtype=POSITIONS, int32_lengths=True)
+        values.append((EXPAND, expand))
         layout = remap_layout(attn)
         if stage.fuse and layout is not None:
-            values.append(
-                (
-                    REMAP,
-                    dict(
-                        groups=groups,
-                        width=indexer.topk_indices_buffer.shape[1],
-                        block_size=layout[0],
-                        stride_rows=layout[1],
-                        positions_dtype=POSITIONS,
-                        int32_lengths=True,
-                        counts=WarmupChoices(True, False),
-                    ),
-                )
-            )
+            remap = dict(groups=groups, width=indexer.topk_indices_buffer.shape[1])
+            remap |= dict(block_size=layout[0], stride_rows=layout[1])
+            remap |= dict(positions_dtype=POSITIONS, int32_lengths=True)
+            values.append((REMAP, remap | dict(counts=WarmupChoices(True, False))))
         # DeepGEMM's logits: BF16 with MX scales (SM100), else FP32, which
         # stock returns as they are.
         logits = torch.bfloat16 if stage.mx_scales else torch.float32
         if stage.mx_scales:
             values.append((UPCAST, {}))
         if stage.select and stage.fuse:
-            values.append(
-                (
-                    SELECT,
-                    dict(
-                        max_rows=stage.max_rows,
-                        one_wave_only=stage.select_one_wave,
-                        k=groups,
-                        dtype=logits,
-                        width=indexer.max_pool_len,
-                        sms=stage.sms,
-                    ),
-                )
-            )
+            select = dict(max_rows=stage.max_rows, one_wave_only=stage.select_one_wave)
+            select |= dict(k=groups, dtype=logits, width=indexer.max_pool_len)
+            values.append((SELECT, select | dict(sms=stage.sms)))
     return values
 
 
 def failed_ranks(failed: bool) -> tuple[list[int], int]:
     """(the tensor-parallel ranks whose warmup failed, the group's size),
-    this rank's ``failed`` among them: gathered over the TP group's CPU
-    (gloo) group, no device sync (every rank of the group calls it, once a
-    stage). Where no TP group is initialized: this process alone, rank 0."""
+    this rank's ``failed`` among them, gathered over the TP group's CPU group
+    (no device sync; every rank calls it once a stage); without a TP group,
+    rank 0 alone."""
     from vllm.distributed import get_tp_group, model_parallel_is_initialized
 
     if not model_parallel_is_initialized():
@@ -120,22 +89,16 @@ def failed_ranks(failed: bool) -> tuple[list[int], int]:
 
 class StageWarmup:
     """One stage's JIT warmup, in the model runner's registry: each of the
-    stage's kernels is an entry (``register``). The registry asks each for
-    its keys, ``get_warmup_keys(vllm_config)``, which are this warmup's
-    ``keys``: what a planned step of the stage's layers can launch, from the
-    deployment (read into the stage at install) and the layers' bound caches
-    (their strides, which ``vllm_config`` alone does not give). Then it
-    compiles each kernel's keys on fakes before CUDA graph capture
+    stage's kernels is an entry (``register``) whose keys are this warmup's
+    ``keys`` (from the deployment and the layers' bound caches, whose strides
+    ``vllm_config`` alone does not give), compiled before CUDA graph capture
     (``compiled``). Once every kernel with keys compiled, the self-check
-    (``self_check.py``, unless "off") runs each key on this GPU against its
-    stock twin, and the stage gets the executors only if every
-    tensor-parallel rank's compiles and checks passed ("strict": a failure
-    raises on every rank).
+    (unless "off") runs each key on this GPU against its stock twin, and the
+    stage gets the executors only if every tensor-parallel rank passed.
 
     The verdict is the stage's, not each kernel's: a stage launches only
-    what its own warmup compiled and checked (not another engine's keys, nor
-    a public function's), one failing kernel turns the stage off (stock, as
-    a whole), and the ranks agree once."""
+    what its own warmup compiled and checked, one failing kernel turns the
+    stage off (stock, as a whole), and the ranks agree once."""
 
     def __init__(self, stage, attentions, self_check: str = "on", seed=None):
         self.stage, self.attentions = stage, list(attentions)
@@ -187,26 +150,24 @@ class StageWarmup:
         executors, problem, error, elapsed = self.executors, None, self.error, 0.0
         if error is None and self.self_check != "off":
             try:
+                from .. import self_check
+
                 started = time.perf_counter()
-                problem = self.check(executors)
+                # The first mismatch (the kernel, the case, its seed), or None.
+                device = self.stage.pool_buffer.device
+                problem = self_check.check(executors, self.seed, device)
                 elapsed = time.perf_counter() - started
             except Exception as raised:
                 error = raised
         failed, ranks = failed_ranks(error is not None or problem is not None)
         if not failed:
             if self.self_check != "off":
-                from .. import self_check
-
                 logger.info(
                     "GLM-5-Next specialized decode: self-check passed: %d kernel "
                     "variants x %d cases, seed %d, %.2f s; %s on%s.",
-                    len(executors),
-                    self_check.CASES,
-                    self.seed,
-                    elapsed,
-                    STAGE,
+                    len(executors), self_check.CASES, self.seed, elapsed, STAGE,
                     f" (all {ranks} TP ranks passed)" if ranks > 1 else "",
-                )
+                )  # fmt: skip
             self.stage.executors = executors
             return
         line = self.failure(problem, error, failed, ranks)
@@ -229,12 +190,3 @@ class StageWarmup:
             replay = f"replay with {SELF_CHECK_SEED_ENV}={self.seed}"
             return f"{prefix}self-check failed, {problem}; {off} ({replay})."
         return f"{prefix}this rank's warmup passed; {off}."
-
-    def check(self, executors: dict) -> str | None:
-        """The self-check on this GPU: None when every compiled kernel gave
-        its stock twin's bytes, else the first mismatch (the kernel, the
-        case, its seed)."""
-        from .. import self_check
-
-        device = self.stage.pool_buffer.device
-        return self_check.check(executors, self.seed, device)

@@ -1,14 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the host side of every kpool kernel shares: vLLM's CuTe DSL JIT
-kernel with the launch spec apart from the launch, and the refusal of an
-input a kernel does not take."""
+kernel with the launch spec apart from the launch, the refusal of an input a
+kernel does not take, and the fake tensors a key compiles on."""
 
 from typing import Any, Generic, TypeVar
 
 import torch
-from cutlass import Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+from cutlass.cute.runtime import make_fake_tensor
 
+# Re-exported: every kernel's __call__ is kernel_launcher(spec).
+from vllm.model_executor.warmup.jit_warmup import kernel_launcher as kernel_launcher
 from vllm.model_executor.warmup.jit_warmup_cutedsl_helper import (
     VllmCuTeDSLJitKernel,
 )
@@ -18,6 +21,14 @@ from ...constants import INT32_MAX, INT32_MIN
 CompileKeyT = TypeVar("CompileKeyT")
 # The index dtypes the kernels read, as DSL integer types.
 INDEX_TYPES = {torch.int32: Int32, torch.int64: Int64}
+# The dtypes of the fake tensors a key compiles on, as DSL types.
+DSL_TYPES = INDEX_TYPES | {torch.bfloat16: BFloat16, torch.float32: Float32}
+DSL_TYPES[torch.uint8] = Uint8
+
+
+def fake(dtype: torch.dtype, shape: tuple, stride: tuple, align: int = 4):
+    """A fake tensor of torch's ``dtype`` to compile a key on."""
+    return make_fake_tensor(DSL_TYPES[dtype], shape, stride, assumed_align=align)
 
 
 # What a stage's kernel returns where the caller runs the stock kernel.
@@ -40,8 +51,8 @@ def layout(tensor: torch.Tensor) -> str:
 def check_devices(
     names: tuple[str, ...], *tensors: torch.Tensor | None, optional: tuple = ()
 ) -> None:
-    """Each of ``tensors`` (``names``, in order; None only where the argument
-    is ``optional`` and left out) is a CUDA tensor on one device."""
+    """Each of ``tensors`` (``names``; None where ``optional``) is a CUDA
+    tensor on one device."""
     first = None
     for name, tensor in zip(names, tensors, strict=True):
         if tensor is None and name in optional:
@@ -63,28 +74,34 @@ def check_int32(name: str, value: Any) -> None:
         raise mismatch(name, "an int32", value)
 
 
-class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
-    """A kpool decode kernel in vLLM's CuTe DSL protocol: ``dispatch``
-    derives the compile key from the call's shapes and dtypes,
-    ``get_warmup_keys`` lists a deployment's keys, ``warmup_inputs`` gives
-    the fakes one compiles on, ``kernel`` is the device class built from a
-    key.
+def check_pool_ids(pool_ids: torch.Tensor) -> None:
+    # An empty tensor's strides say nothing (CUDA may give [0, 1] [1, 0]).
+    unit = pool_ids.dim() == 2 and (pool_ids.stride(1) == 1 or not pool_ids.numel())
+    if pool_ids.dtype is not torch.int32 or not unit:
+        expected = "int32 [rows, pools], unit column stride"
+        raise mismatch("pool_ids", expected, layout(pool_ids))
 
-    ``spec(**arguments)`` checks the arguments against the kernel's rule
-    (raising ``Refused``) and returns the launch spec ``(compile key,
-    executor arguments, output)``, the executor arguments None where there
-    is nothing to compute. Each kernel's ``__call__`` is
-    ``kernel_launcher(spec)``, the one path from a call to a launch.
+
+def check_vector(name: str, tensor, rows: int, expected: str, dtypes=INDEX_TYPES):
+    """``tensor`` is a unit-stride vector of ``dtypes`` with at least ``rows``
+    entries; else "``name``: expected ``expected``"."""
+    if tensor.dtype not in dtypes or tensor.stride() != (1,) or tensor.shape[0] < rows:
+        raise mismatch(name, expected, layout(tensor))
+
+
+class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
+    """A kpool decode kernel in vLLM's CuTe DSL protocol. ``spec(**arguments)``
+    checks the arguments against the kernel's rule (raising ``Refused``) and
+    returns ``(compile key, executor arguments or None where there is
+    nothing to compute, output)``; ``__call__`` is ``kernel_launcher(spec)``.
 
     The module's instance (``stage`` None) serves the public functions: it
     compiles a missing key (never inside a CUDA graph capture). A stage's
-    instance (``runtime/stage.py``) launches only the executors its stage's
-    warmup compiled and checked (``stage.executors``); for any other key, and
-    for arguments its rule refuses (``serve``), it launches nothing and
-    returns ``STOCK``: the caller runs the stock kernel. Its warmup keys and
-    compiles are its stage's (``runtime/warmup.py``). All instances of a
-    kernel share the compiled executors (a compile is a function of its key
-    alone)."""
+    instance launches only the executors its stage's warmup compiled and
+    checked; for any other key, and for arguments its rule refuses
+    (``serve``), it launches nothing and returns ``STOCK``: the caller runs
+    the stock kernel. All instances of a kernel share the compiled executors
+    (a compile is a function of its key alone)."""
 
     compiled: dict
 

@@ -1,23 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The host side of ``ExpandPools``: what it takes, its compile key, its
-launch."""
+"""The host side of ``ExpandPools``: what it takes, its compile key, its launch."""
 
 from dataclasses import dataclass
 
 import cutlass.cute as cute
 import torch
 from cutlass import Int32
-from cutlass.cute.runtime import make_fake_tensor
-
-from vllm.model_executor.warmup.jit_warmup import kernel_launcher
 
 from ...constants import POOL
 from ..common.host import (
-    INDEX_TYPES,
     KpoolKernel,
     check_devices,
     check_int32,
+    check_pool_ids,
+    check_vector,
+    fake,
+    kernel_launcher,
     layout,
     mismatch,
 )
@@ -25,44 +24,24 @@ from .kernel import ExpandPools
 
 
 def check(pool_ids, seq_lens, pool_size, seq_offset, out) -> None:
-    """What ``ExpandPools`` takes of ``expand_pools_and_append_tail``'s
-    arguments (raises ``Refused``): int32 pool ids, one row of lengths each,
-    an ``out`` to write whose rows are 16-byte aligned."""
+    """``ExpandKernel``'s rule (raises ``Refused``): int32 pool ids, one row
+    of lengths each, an ``out`` to write whose rows are 16-byte aligned."""
     if out is None:
         raise mismatch("out", "a tensor to write (the kernel does not allocate)", None)
     check_devices(("pool_ids", "seq_lens", "out"), pool_ids, seq_lens, out)
     if pool_size != POOL:
         raise mismatch("pool_size", str(POOL), pool_size)
-    rows, groups = pool_ids.shape if pool_ids.dim() == 2 else (-1, -1)
-    # An empty tensor's strides say nothing (CUDA may give [0, 1] [1, 0]).
-    unit = rows >= 0 and (pool_ids.stride(1) == 1 or not pool_ids.numel())
-    if pool_ids.dtype is not torch.int32 or not unit:
-        raise mismatch(
-            "pool_ids", "int32 [rows, pools], unit column stride", layout(pool_ids)
-        )
+    check_pool_ids(pool_ids)
+    rows, groups = pool_ids.shape
     size, stride = out.shape, out.stride()
     if (
-        out.dtype is not torch.int32
-        or len(size) != 2
-        or size[0] != rows
-        or size[1] < groups * POOL + POOL - 1
-        or stride[1] != 1
-        or stride[0] % 4
+        out.dtype is not torch.int32 or len(size) != 2 or size[0] != rows
+        or size[1] < groups * POOL + POOL - 1 or stride[1] != 1 or stride[0] % 4
         or out.data_ptr() % 16
-    ):
-        raise mismatch(
-            "out",
-            "int32 [rows, >= pools * 4 + 3], unit column stride, 16-byte aligned rows",
-            layout(out),
-        )
-    if (
-        seq_lens.dtype not in INDEX_TYPES
-        or seq_lens.stride() != (1,)
-        or seq_lens.shape[0] < rows
-    ):
-        raise mismatch(
-            "seq_lens", "int32/int64 [>= rows], unit stride", layout(seq_lens)
-        )
+    ):  # fmt: skip
+        expected = "int32 [rows, >= pools * 4 + 3], unit column stride, 16-byte "
+        raise mismatch("out", expected + "aligned rows", layout(out))
+    check_vector("seq_lens", seq_lens, rows, "int32/int64 [>= rows], unit stride")
     check_int32("seq_offset", seq_offset)
 
 
@@ -83,15 +62,10 @@ class ExpandKernel(KpoolKernel["ExpandKernel.CompileKey"]):
     kernel = ExpandPools
 
     def spec(
-        self,
-        *,
-        pool_ids: torch.Tensor,
-        seq_lens: torch.Tensor,
-        pool_size: int,
-        seq_offset: int = 0,
-        out: torch.Tensor | None = None,
+        self, *, pool_ids: torch.Tensor, seq_lens: torch.Tensor, pool_size: int,
+        seq_offset: int = 0, out: torch.Tensor | None = None,
         int32_lengths: bool = False,
-    ):
+    ):  # fmt: skip
         check(pool_ids, seq_lens, pool_size, seq_offset, out)
         key = self.dispatch(
             groups=pool_ids.shape[1],
@@ -106,21 +80,10 @@ class ExpandKernel(KpoolKernel["ExpandKernel.CompileKey"]):
     def warmup_inputs(self, compile_key: CompileKey) -> tuple:
         rows = cute.sym_int()
         # The pool count is the key's: zero pools have no static extent.
-        ids = make_fake_tensor(
-            Int32, (rows, cute.sym_int()), (cute.sym_int64(), 1), assumed_align=4
-        )
-        lengths = make_fake_tensor(
-            INDEX_TYPES[compile_key.seq_lens_dtype],
-            (cute.sym_int(),),
-            (1,),
-            assumed_align=4,
-        )
-        out = make_fake_tensor(
-            Int32,
-            (rows, cute.sym_int()),
-            (cute.sym_int64(divisibility=4), 1),
-            assumed_align=16,
-        )
+        ids = fake(torch.int32, (rows, cute.sym_int()), (cute.sym_int64(), 1))
+        lengths = fake(compile_key.seq_lens_dtype, (cute.sym_int(),), (1,))
+        shape = (rows, cute.sym_int())
+        out = fake(torch.int32, shape, (cute.sym_int64(divisibility=4), 1), 16)
         return ids, lengths, out, Int32(0)
 
 

@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``expand_pools_and_append_tail`` and the sparse MLA index remap
-(``triton_convert_req_index_to_global_index``) in one kernel, with counts
-(the compacted rows) or without (in place), one CTA per query row."""
+"""``RemapKernel``'s device code: the pool expansion and the sparse MLA
+index remap in one kernel, one CTA per query row."""
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -35,24 +34,15 @@ class ExpandRemap:
 
     @cute.jit
     def __call__(
-        self,
-        pool_ids: cute.Tensor,
-        positions: cute.Tensor,
-        req_ids: cute.Tensor,
-        block_table: cute.Tensor,
-        out: cute.Tensor,
-        counts: cute.Tensor | None,
-        seq_offset: Int32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(
-            pool_ids, positions, req_ids, block_table, out, counts, seq_offset
-        ).launch(
-            grid=(req_ids.shape[0], 1, 1),
-            block=(self.groups, 1, 1),
-            stream=stream,
+        self, pool_ids: cute.Tensor, positions: cute.Tensor, req_ids: cute.Tensor,
+        block_table: cute.Tensor, out: cute.Tensor, counts: cute.Tensor | None,
+        seq_offset: Int32, stream: cuda.CUstream,
+    ):  # fmt: skip
+        args = (pool_ids, positions, req_ids, block_table, out, counts, seq_offset)
+        self.kernel(*args).launch(
+            grid=(req_ids.shape[0], 1, 1), block=(self.groups, 1, 1), stream=stream,
             use_pdl=True,
-        )
+        )  # fmt: skip
 
     @cute.jit
     def slot(self, block_table, req, token, max_blocks):

@@ -1,23 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The host side of ``ExpandRemap``: what it takes, its compile key, its
-launch."""
+"""The host side of ``ExpandRemap``: what it takes, its compile key, its launch."""
 
 from dataclasses import dataclass
 
 import cutlass.cute as cute
 import torch
 from cutlass import Int32
-from cutlass.cute.runtime import make_fake_tensor
-
-from vllm.model_executor.warmup.jit_warmup import kernel_launcher
 
 from ...constants import INT32_MAX, MAX_GROUPS, POOL
 from ..common.host import (
-    INDEX_TYPES,
     KpoolKernel,
     check_devices,
     check_int32,
+    check_pool_ids,
+    check_vector,
+    fake,
+    kernel_launcher,
     layout,
     mismatch,
 )
@@ -29,8 +28,8 @@ STOCK_TILE = 128
 
 def stock_compacts_in_order(width: int) -> bool:
     """Whether the stock conversion of ``width``-wide rows with counts keeps
-    the column order (one program owns each row, ``_remap_tiling``); wider
-    rows compact through racing atomics, which no kernel can match."""
+    the column order (one program a row); wider rows compact through racing
+    atomics (``_remap_tiling``), which no kernel can match."""
     padded = 1 << max(width - 1, 0).bit_length()
     return padded == width or padded <= 4096
 
@@ -41,110 +40,58 @@ def check_shape(groups: int, width: int, pool_size: int, counts: bool) -> None:
     if pool_size != POOL:
         raise mismatch("pool_size", str(POOL), pool_size)
     if groups % 32 or not 32 <= groups <= MAX_GROUPS:
-        raise mismatch(
-            "pool_ids", f"a multiple of 32 pools, at most {MAX_GROUPS}", groups
-        )
+        expected = f"a multiple of 32 pools, at most {MAX_GROUPS}"
+        raise mismatch("pool_ids", expected, groups)
     if width < groups * POOL + POOL - 1 or width % STOCK_TILE:
-        raise mismatch(
-            "out",
-            f"a width of at least pools * 4 + 3 ({groups * POOL + POOL - 1}) "
-            f"columns, a multiple of {STOCK_TILE}",
-            width,
-        )
+        expected = f"a width of at least pools * 4 + 3 ({groups * POOL + POOL - 1}) "
+        raise mismatch("out", expected + f"columns, a multiple of {STOCK_TILE}", width)
     if counts and not stock_compacts_in_order(width):
-        raise mismatch(
-            "out",
-            "a width the stock conversion with counts compacts "
-            "in column order (at most 4096)",
-            width,
-        )
+        expected = "a width the stock conversion with counts compacts in column "
+        raise mismatch("out", expected + "order (at most 4096)", width)
 
 
 def check(
-    pool_ids,
-    positions,
-    pool_size,
-    req_ids,
-    block_table,
-    out,
-    counts,
-    block_size,
-    stride_rows,
-    seq_offset,
-) -> None:
-    """What ``ExpandRemap`` takes (raises ``Refused``)."""
+    pool_ids, positions, pool_size, req_ids, block_table, out, counts, block_size,
+    stride_rows, seq_offset,
+) -> None:  # fmt: skip
+    """``RemapKernel``'s rule (raises ``Refused``)."""
     check_devices(
         ("pool_ids", "positions", "req_ids", "block_table", "out", "counts"),
-        pool_ids,
-        positions,
-        req_ids,
-        block_table,
-        out,
-        counts,
+        pool_ids, positions, req_ids, block_table, out, counts,
         optional=("counts",),
-    )
-    ids = pool_ids.stride()
-    # An empty tensor's strides say nothing (CUDA may give [0, 1] [1, 0]).
-    unit = len(ids) == 2 and (ids[1] == 1 or not pool_ids.numel())
-    if pool_ids.dtype is not torch.int32 or not unit:
-        raise mismatch(
-            "pool_ids", "int32 [rows, pools], unit column stride", layout(pool_ids)
-        )
+    )  # fmt: skip
+    check_pool_ids(pool_ids)
     if req_ids.dtype is not torch.int32 or req_ids.stride() != (1,):
         raise mismatch("req_ids", "int32 [rows], unit stride", layout(req_ids))
     rows = req_ids.shape[0]
     size = out.shape
     if (
-        out.dtype is not torch.int32
-        or len(size) != 2
-        or size[0] != rows
-        or not out.is_contiguous()
-        or out.data_ptr() % 16
-    ):
-        raise mismatch(
-            "out",
-            "a contiguous 16-byte aligned int32 [rows of req_ids, width]",
-            layout(out),
-        )
+        out.dtype is not torch.int32 or len(size) != 2 or size[0] != rows
+        or not out.is_contiguous() or out.data_ptr() % 16
+    ):  # fmt: skip
+        expected = "a contiguous 16-byte aligned int32 [rows of req_ids, width]"
+        raise mismatch("out", expected, layout(out))
     check_shape(pool_ids.shape[1], size[1], pool_size, counts is not None)
     # The kernel's block arithmetic is int32 (block_size is a power of two
     # or a multiple of 4 that the MLA cache takes).
     if (
-        not isinstance(block_size, int)
-        or block_size % POOL
+        not isinstance(block_size, int) or block_size % POOL
         or not 0 < block_size <= INT32_MAX
-    ):
+    ):  # fmt: skip
         raise mismatch("block_size", "a positive int32 multiple of 4", block_size)
     check_int32("stride_rows", stride_rows)
-    if counts is not None and (
-        counts.dtype is not torch.int32
-        or counts.stride() != (1,)
-        or counts.shape[0] < rows
-    ):
-        raise mismatch(
-            "counts", "int32 [>= rows of req_ids], unit stride", layout(counts)
-        )
+    if counts is not None:
+        expected = "int32 [>= rows of req_ids], unit stride"
+        check_vector("counts", counts, rows, expected, (torch.int32,))
     blocks = block_table.stride()
     if block_table.dtype is not torch.int32 or len(blocks) != 2 or blocks[1] != 1:
-        raise mismatch(
-            "block_table",
-            "int32 [requests, blocks], unit column stride",
-            layout(block_table),
-        )
+        expected = "int32 [requests, blocks], unit column stride"
+        raise mismatch("block_table", expected, layout(block_table))
     if pool_ids.shape[0] > rows:
-        raise mismatch(
-            "pool_ids", f"at most the rows of req_ids ({rows})", pool_ids.shape[0]
-        )
-    if (
-        positions.dtype not in INDEX_TYPES
-        or positions.stride() != (1,)
-        or positions.shape[0] < pool_ids.shape[0]
-    ):
-        raise mismatch(
-            "positions",
-            "int32/int64 [>= rows of pool_ids], unit stride",
-            layout(positions),
-        )
+        expected = f"at most the rows of req_ids ({rows})"
+        raise mismatch("pool_ids", expected, pool_ids.shape[0])
+    expected = "int32/int64 [>= rows of pool_ids], unit stride"
+    check_vector("positions", positions, pool_ids.shape[0], expected)
     check_int32("seq_offset", seq_offset)
 
 
@@ -172,41 +119,20 @@ class RemapKernel(KpoolKernel["RemapKernel.CompileKey"]):
     kernel = ExpandRemap
 
     def spec(
-        self,
-        *,
-        pool_ids: torch.Tensor,
-        positions: torch.Tensor,
-        pool_size: int,
-        req_ids: torch.Tensor,
-        block_table: torch.Tensor,
-        out: torch.Tensor,
-        counts: torch.Tensor | None = None,
-        block_size: int,
-        stride_rows: int,
-        seq_offset: int = 1,
-        int32_lengths: bool = False,
-    ):
+        self, *, pool_ids: torch.Tensor, positions: torch.Tensor, pool_size: int,
+        req_ids: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
+        counts: torch.Tensor | None = None, block_size: int, stride_rows: int,
+        seq_offset: int = 1, int32_lengths: bool = False,
+    ):  # fmt: skip
         check(
-            pool_ids,
-            positions,
-            pool_size,
-            req_ids,
-            block_table,
-            out,
-            counts,
-            block_size,
-            stride_rows,
-            seq_offset,
-        )
+            pool_ids, positions, pool_size, req_ids, block_table, out, counts,
+            block_size, stride_rows, seq_offset,
+        )  # fmt: skip
         key = self.dispatch(
-            groups=pool_ids.shape[1],
-            width=out.shape[1],
-            block_size=block_size,
-            stride_rows=stride_rows,
-            positions_dtype=positions.dtype,
-            int32_lengths=bool(int32_lengths),
-            counts=counts is not None,
-        )
+            groups=pool_ids.shape[1], width=out.shape[1], block_size=block_size,
+            stride_rows=stride_rows, positions_dtype=positions.dtype,
+            int32_lengths=bool(int32_lengths), counts=counts is not None,
+        )  # fmt: skip
         args = None
         if req_ids.shape[0]:
             args = (pool_ids, positions, req_ids, block_table, out, counts, seq_offset)
@@ -217,23 +143,15 @@ class RemapKernel(KpoolKernel["RemapKernel.CompileKey"]):
     def warmup_inputs(self, compile_key: CompileKey) -> tuple:
         k = compile_key
         rows = cute.sym_int()
-        ids = make_fake_tensor(
-            Int32, (cute.sym_int(), k.groups), (cute.sym_int64(), 1), assumed_align=4
-        )
-        positions = make_fake_tensor(
-            INDEX_TYPES[k.positions_dtype], (cute.sym_int(),), (1,), assumed_align=4
-        )
-        req_ids = make_fake_tensor(Int32, (rows,), (1,), assumed_align=4)
-        table = make_fake_tensor(
-            Int32,
-            (cute.sym_int(), cute.sym_int()),
-            (cute.sym_int64(), 1),
-            assumed_align=4,
-        )
-        out = make_fake_tensor(Int32, (rows, k.width), (k.width, 1), assumed_align=16)
+        ids = fake(torch.int32, (cute.sym_int(), k.groups), (cute.sym_int64(), 1))
+        positions = fake(k.positions_dtype, (cute.sym_int(),), (1,))
+        req_ids = fake(torch.int32, (rows,), (1,))
+        shape = (cute.sym_int(), cute.sym_int())
+        table = fake(torch.int32, shape, (cute.sym_int64(), 1))
+        out = fake(torch.int32, (rows, k.width), (k.width, 1), 16)
         counts = None
         if k.counts:
-            counts = make_fake_tensor(Int32, (cute.sym_int(),), (1,), assumed_align=4)
+            counts = fake(torch.int32, (cute.sym_int(),), (1,))
         return ids, positions, req_ids, table, out, counts, Int32(0)
 
 

@@ -1,60 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The pool top-k ("select"): the exact top ``k`` columns of each logits
-row below its end, by value, in ascending column order. It stands in for
-``get_indexer_topk(backend)(logits, lengths, next_n, out, k, max_seq_len)``
-of GLM-5-Next's decode (vLLM's ``cooperative_topk`` / ``persistent_topk``),
-with the same set and a stated order where stock's is its atomics'
-(docs/select-contract.md):
+"""The pool top-k ("select"), ``SelectKernel``'s device code (its contract
+is that class's docstring; docs/select-contract.md, "The select", is the
+design and its measurements).
 
-- Row ``r``'s valid columns are ``[0, end)``, ``end = clamp(ends[r], 0,
-  width)`` (stock reads past the row for a longer end and takes nothing for
-  a negative one); nothing at or past the end is read.
-- The order is that of the 32-bit key stock's top-k refines on
-  (``convert_to_uint32_v2``, FlashInfer's ``ToOrdered``): the bits with the
-  sign bit set for a positive sign, all bits flipped for a negative one.
-  That is IEEE totalOrder: ``-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf <
-  +NaN``, denormals by value. A BF16 row orders by the 16-bit key of the
-  same rule, which is the FP32 key of its exact upcast (``as_fp32_logits``),
-  so SM100's logits need no upcast.
-- A row with ``end <= k`` takes all its valid columns: ``0, 1, ..., end - 1,
-  -1, ..., -1``, stock's own bytes.
-- A row with ``end > k`` takes exactly ``k`` columns: every column whose key
-  is above the ``k``-th largest key ``T`` and, of those equal to ``T``, the
-  lowest ids (stock: atomics' order), listed in ascending column order.
-
-Bytes differ from stock's wherever stock's order or tie choice does: the
-stage runs it only when the deployment opts in (``kpool_select``).
-
-A cluster of ``C`` CTAs (1024 threads each) selects one row; CTA ``rank``
-owns the slice ``[rank * S, (rank + 1) * S)`` of its valid columns (``S =
-ceil(end / C)`` rounded up to the load vector) and reads it once from global
-memory into shared memory as order keys. Radix passes of 8-bit digits (4 for
-FP32, 2 for BF16) count each CTA's matching keys into its shared histogram
-(pass 0 while loading). After one cluster barrier a pass, every CTA sums the
-``C`` histograms through distributed shared memory and finds the threshold
-digit itself. While summing, each thread also sums the bins of the ranks
-before its own, which gives the CTA the counts above and equal to the
-threshold before its slice: the compaction writes column ``c`` at
-``above_c + min(equal_c, need)`` with no further cluster barrier.
-
-The passes end early where the set is known before the last one: on FP32
-rows, where a pass's bin is taken whole (its count is what the set still
-needs: on ``randn`` logits the third pass, mostly), the threshold is then
-just below the bin; and where the threshold is ``+0.0`` (ReLU-weighted
-logits with fewer than ``k`` positive), which pass 0 tells from its count of
-exact ``+0.0`` keys: the bin's other keys are above them. A row whose valid
-columns fit one CTA's shared keys (``end <= ALONE_KEYS``) is selected by CTA
-0 alone, with CTA barriers: a cluster barrier costs more than the slice
-saves there. Its passes are scanned by warp 0 alone (8 bins a lane), the
-CTA waiting for it at one barrier.
+A cluster of ``C`` CTAs selects one row, CTA ``rank`` reading its slice of
+the valid columns once into shared memory as order keys. Radix passes of
+8-bit digits (4 for FP32, 2 for BF16) count each CTA's matching keys into
+its histogram (pass 0 while loading); after one cluster barrier a pass,
+every CTA sums the ``C`` histograms through distributed shared memory, and
+with them the bins of the ranks before its own, which place its
+compaction with no further barrier. The passes end early where the set is
+known (a bin taken whole on FP32; a threshold of +0.0); a row that fits
+``ALONE_KEYS`` is selected by CTA 0 alone, with CTA barriers.
 """
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import Int32, Int64, Uint32
 from quack.utils import warp_prefix_sum
 
 from ..common.ptx import inline_ptx, load_words_if
@@ -70,7 +35,6 @@ BINS = 256
 # tile); 53248 keys (208 KiB) plus the histograms stay under 227 KiB.
 CAPACITIES = (4096, 8192, 16384, 32768, 53248)
 # 16 bytes a thread loads at once: 4 FP32 or 8 BF16 columns.
-DTYPES = {torch.float32: Float32, torch.bfloat16: BFloat16}
 VECTOR = {torch.float32: 4, torch.bfloat16: 8}
 _KEY_BITS = {torch.float32: 32, torch.bfloat16: 16}
 # Keys a thread takes from shared memory at once in a pass (one 16-byte
@@ -207,22 +171,16 @@ class SelectTopk:
 
     @cute.jit
     def __call__(
-        self,
-        logits: cute.Tensor,
-        ends: cute.Tensor,
-        out: cute.Tensor,
+        self, logits: cute.Tensor, ends: cute.Tensor, out: cute.Tensor,
         stream: cuda.CUstream,
-    ):
+    ):  # fmt: skip
         self.kernel(logits, ends, out).launch(
-            grid=(out.shape[0] * self.cluster, 1, 1),
-            block=(THREADS, 1, 1),
-            cluster=(self.cluster, 1, 1),
-            stream=stream,
-            use_pdl=True,
+            grid=(out.shape[0] * self.cluster, 1, 1), block=(THREADS, 1, 1),
+            cluster=(self.cluster, 1, 1), stream=stream, use_pdl=True,
             min_blocks_per_mp=ctas_per_sm(self.capacity),
             # Set, so that the build asks no device for its shared memory.
             preferred_smem_carveout=100,
-        )
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(self, logits: cute.Tensor, ends: cute.Tensor, out: cute.Tensor):
@@ -312,9 +270,8 @@ class SelectTopk:
     @cute.jit
     def load_slice(self, base, n, tid, keys_at, hist, found):
         """Reads the slice's ``n`` columns from ``base`` once into the shared
-        keys, counting pass 0's digits as it goes, and the +0.0 keys into
-        ``found[5]`` (a warp's at once: a plateau's keys would all hit one
-        bin)."""
+        keys, counting pass 0's digits as it goes (``count_at``), and the
+        +0.0 keys into ``found[5]``."""
         vector = self.vector
         shift = self.key_bits - self.digits[0]
         zero = Uint32(self.zero_key)
@@ -365,10 +322,9 @@ class SelectTopk:
     def count_at(self, key, zero, shift, zeros, spare):
         """``(zeros, bin)``: +0.0 keys are counted in ``zeros`` (the load
         adds them to their bin a warp at once: a plateau's keys would all
-        hit one bin) and go to the ``spare`` bin of the other histogram,
-        the lane's own (cleared before pass 1 counts into it); other keys to
-        their pass-0 bin. Branch-free: a branch costs the load loop its
-        registers."""
+        hit one bin) and go to the lane's ``spare`` bin of the other
+        histogram (cleared before pass 1 counts into it); other keys to their
+        pass-0 bin. Branch-free: a branch costs the load loop its registers."""
         is_zero = Int32(key == zero)
         digit = Int32(key >> Uint32(shift))
         return zeros + is_zero, digit + (spare - digit) * is_zero
@@ -434,17 +390,9 @@ class SelectTopk:
                     digit, above, early = found[0], found[1], found[4]
                 else:
                     digit, above, share, early = self.merge_find(
-                        p,
-                        prefix,
-                        shift,
-                        hist,
-                        current,
-                        remaining,
-                        tid,
-                        rank,
-                        totals,
-                        found,
-                    )
+                        p, prefix, shift, hist, current, remaining, tid, rank,
+                        totals, found,
+                    )  # fmt: skip
                 prefix = prefix | (Uint32(digit) << Uint32(shift))
                 remaining = remaining - above
                 above_share = above_share + share
@@ -523,12 +471,10 @@ class SelectTopk:
 
     @cute.jit
     def find_alone(self, p, prefix, shift, hist, current, remaining, lane, found):
-        """What ``merge_find`` finds, for a CTA alone, in warp 0 (a
-        1024-thread scan costs the pass more): lane ``l`` takes the 8 bins
-        below ``BINS - 8 l`` of the pass's histogram; the lane whose bins
-        hold the ``remaining``-th largest key walks them down and stores the
-        digit, the count above it and how the passes end (``found[0]``,
-        ``[1]``, ``[4]``)."""
+        """What ``merge_find`` finds (``found[0]``, ``[1]``, ``[4]``), for a
+        CTA alone, in warp 0 (a 1024-thread scan costs the pass more): lane
+        ``l`` takes the 8 bins below ``BINS - 8 l``; the lane whose bins hold
+        the ``remaining``-th largest key walks them down."""
         low = (BINS - 8) - 8 * lane
         at = Int32(hist.iterator.toint()) + (current + low) * 4
         counts = [Int32(c) for c in _load_shared4(at) + _load_shared4(at + 16)]

@@ -8,13 +8,19 @@ from dataclasses import dataclass
 
 import cutlass.cute as cute
 import torch
-from cutlass import Int32
-from cutlass.cute.runtime import make_fake_tensor
 
-from vllm.model_executor.warmup.jit_warmup import WarmupIntRange, kernel_launcher
+from vllm.model_executor.warmup.jit_warmup import WarmupIntRange
 
-from ..common.host import KpoolKernel, check_devices, layout, mismatch
-from .kernel import CAPACITIES, DTYPES, VECTOR, SelectTopk, ctas_per_sm
+from ..common.host import (
+    KpoolKernel,
+    check_devices,
+    check_vector,
+    fake,
+    kernel_launcher,
+    layout,
+    mismatch,
+)
+from .kernel import CAPACITIES, VECTOR, SelectTopk, ctas_per_sm
 
 # The k a compile key takes (stock's decode top-k serves 512, 1024, 2048).
 MAX_K = 4096
@@ -61,9 +67,8 @@ def cluster_for(rows: int, width: int, dtype: torch.dtype, sms: int) -> int | No
 @functools.cache
 def one_wave(rows: int, width: int, dtype: torch.dtype, sms: int) -> bool:
     """Whether the clusters of ``rows`` rows of ``width`` columns are all
-    resident at once on ``sms`` SMs. Past one wave the select costs more than
-    stock's top-k on FP32 logits (``kpool_select="one_wave"`` then takes
-    stock's)."""
+    resident at once on ``sms`` SMs: past one wave, stock's top-k on FP32
+    logits costs less (``kpool_select="one_wave"`` then takes it)."""
     cluster = cluster_for(rows, width, dtype, sms)
     if cluster is None:
         return False
@@ -89,46 +94,41 @@ def check(logits, ends, k, out) -> None:
     stride = logits.stride()
     vector = VECTOR.get(logits.dtype)
     if (
-        vector is None
-        or len(stride) != 2
-        or stride[1] != 1
-        or stride[0] % vector
+        vector is None or len(stride) != 2 or stride[1] != 1 or stride[0] % vector
         or logits.data_ptr() % 16
-    ):
-        raise mismatch(
-            "logits",
-            "fp32/bf16 [rows, width], unit column stride, 16-byte aligned rows",
-            layout(logits),
-        )
+    ):  # fmt: skip
+        expected = "fp32/bf16 [rows, width], unit column stride, 16-byte aligned rows"
+        raise mismatch("logits", expected, layout(logits))
     if not slice_capacity(logits.shape[1], logits.dtype, CLUSTERS[-1]):
-        raise mismatch(
-            "logits",
-            f"at most {CLUSTERS[-1] * CAPACITIES[-1]} columns "
-            f"({CLUSTERS[-1]} CTAs of {CAPACITIES[-1]} shared keys)",
-            logits.shape[1],
-        )
+        ctas = f"{CLUSTERS[-1]} CTAs of {CAPACITIES[-1]} shared keys"
+        expected = f"at most {CLUSTERS[-1] * CAPACITIES[-1]} columns ({ctas})"
+        raise mismatch("logits", expected, logits.shape[1])
     rows = logits.shape[0]
-    if ends.dtype is not torch.int32 or ends.stride() != (1,) or ends.shape[0] < rows:
-        raise mismatch("ends", "int32 [>= rows of logits], unit stride", layout(ends))
+    expected = "int32 [>= rows of logits], unit stride"
+    check_vector("ends", ends, rows, expected, (torch.int32,))
     if out is not None and (
-        out.dtype is not torch.int32
-        or tuple(out.shape) != (rows, k)
+        out.dtype is not torch.int32 or tuple(out.shape) != (rows, k)
         or out.stride(1) != 1
-    ):
-        raise mismatch(
-            "out", f"int32 [rows of logits, k = {k}], unit column stride", layout(out)
-        )
+    ):  # fmt: skip
+        expected = f"int32 [rows of logits, k = {k}], unit column stride"
+        raise mismatch("out", expected, layout(out))
 
 
 class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
     """``get_indexer_topk(backend)(logits, lengths, next_n, out, k,
     max_seq_len)`` of GLM-5-Next's decode (vLLM's ``cooperative_topk`` /
-    ``persistent_topk``) with the same set, in the stated order and tie
-    choice of ``select/kernel.py`` (stock's are its atomics'): the top ``k``
-    columns of each row of ``logits`` below ``ends[row]``, ascending, into
-    ``out`` (None: a new int32 [rows, k] tensor). One compile key per ``k``,
-    logits dtype, cluster size (``cluster_for`` the rows and width on the
-    device's SMs) and shared key capacity (``slice_capacity``)."""
+    ``persistent_topk``) with the same set in a stated order and tie choice
+    (stock's are its atomics'; docs/select-contract.md compares them), into
+    ``out`` (None: a new int32 [rows, k] tensor). Row ``r`` reads its valid
+    columns ``[0, clamp(ends[r], 0, width))`` only, ordered by stock's
+    refining key (``convert_to_uint32_v2``: IEEE totalOrder, ``-NaN < -inf <
+    ... < -0.0 < +0.0 < ... < +NaN``; BF16 by the 16-bit key of its exact
+    upcast, so no upcast). ``end <= k``: ``0, ..., end - 1, -1, ...``
+    (stock's bytes); else the keys above the ``k``-th largest ``T`` and the
+    lowest columns equal to ``T``, in ascending column order. One compile
+    key per ``k``, logits dtype, cluster size (``cluster_for`` the rows and
+    width on the device's SMs) and shared key capacity
+    (``slice_capacity``)."""
 
     @dataclass(frozen=True)
     class CompileKey:
@@ -151,13 +151,9 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
         )
 
     def get_warmup_keys(
-        self,
-        vllm_config=None,
-        *,
-        max_rows: int | None = None,
-        one_wave_only: bool = False,
-        **dispatch_values,
-    ) -> list[CompileKey]:
+        self, vllm_config=None, *, max_rows: int | None = None,
+        one_wave_only: bool = False, **dispatch_values,
+    ) -> list[CompileKey]:  # fmt: skip
         """The keys of 1 to ``max_rows`` rows (``one_wave_only``: of those
         that fit one wave); a stage's instance, given no rows: its stage's."""
         if max_rows is None:
@@ -168,41 +164,26 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
         )
 
     def spec(
-        self,
-        *,
-        logits: torch.Tensor,
-        ends: torch.Tensor,
-        k: int,
+        self, *, logits: torch.Tensor, ends: torch.Tensor, k: int,
         out: torch.Tensor | None = None,
-    ):
+    ):  # fmt: skip
         check(logits, ends, k, out)
         rows, width = logits.shape
         if out is None:
             out = logits.new_empty((rows, k), dtype=torch.int32)
-        key = self.dispatch(
-            k=k,
-            dtype=logits.dtype,
-            rows=rows,
-            width=width,
-            sms=sm_count(logits.get_device()),
-        )
+        sms = sm_count(logits.get_device())
+        key = self.dispatch(k=k, dtype=logits.dtype, rows=rows, width=width, sms=sms)
         return key, (logits, ends, out) if rows else None, out
 
     __call__ = kernel_launcher(spec)
 
     def warmup_inputs(self, compile_key: CompileKey) -> tuple:
-        vector = VECTOR[compile_key.dtype]
-        rows = cute.sym_int()
-        logits = make_fake_tensor(
-            DTYPES[compile_key.dtype],
-            (rows, cute.sym_int()),
-            (cute.sym_int64(divisibility=vector), 1),
-            assumed_align=16,
-        )
-        ends = make_fake_tensor(Int32, (cute.sym_int(),), (1,), assumed_align=4)
-        out = make_fake_tensor(
-            Int32, (rows, compile_key.k), (cute.sym_int64(), 1), assumed_align=4
-        )
+        k, rows = compile_key, cute.sym_int()
+        shape = (rows, cute.sym_int())
+        stride = (cute.sym_int64(divisibility=VECTOR[k.dtype]), 1)
+        logits = fake(k.dtype, shape, stride, 16)
+        ends = fake(torch.int32, (cute.sym_int(),), (1,))
+        out = fake(torch.int32, (rows, k.k), (cute.sym_int64(), 1))
         return logits, ends, out
 
 

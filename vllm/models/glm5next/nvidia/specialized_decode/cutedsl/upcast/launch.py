@@ -1,18 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The host side of ``UpcastLogits``: what it takes, its compile key, its
-launch."""
+"""The host side of ``UpcastLogits``: what it takes, its compile key, its launch."""
 
 from dataclasses import dataclass
 
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32
-from cutlass.cute.runtime import make_fake_tensor
+from cutlass import Int32
 
-from vllm.model_executor.warmup.jit_warmup import kernel_launcher
-
-from ..common.host import KpoolKernel, check_devices, layout, mismatch
+from ..common.host import (
+    KpoolKernel,
+    check_devices,
+    fake,
+    kernel_launcher,
+    layout,
+    mismatch,
+)
 from .kernel import CTAS, UpcastLogits
 
 
@@ -24,36 +27,23 @@ def check(logits, row_ends, out) -> None:
     )
     stride = logits.stride()
     if (
-        logits.dtype != torch.bfloat16
-        or len(stride) != 2
-        or stride[1] != 1
-        or stride[0] % 8
-        or logits.data_ptr() % 16
-    ):
-        raise mismatch(
-            "logits",
-            "bf16 [rows, width], unit column stride, 16-byte aligned rows",
-            layout(logits),
-        )
+        logits.dtype != torch.bfloat16 or len(stride) != 2 or stride[1] != 1
+        or stride[0] % 8 or logits.data_ptr() % 16
+    ):  # fmt: skip
+        expected = "bf16 [rows, width], unit column stride, 16-byte aligned rows"
+        raise mismatch("logits", expected, layout(logits))
     if (
-        row_ends.dtype != torch.int32
-        or row_ends.stride() != (1,)
+        row_ends.dtype != torch.int32 or row_ends.stride() != (1,)
         or row_ends.shape[0] != logits.shape[0]
-    ):
-        raise mismatch(
-            "row_ends", "int32 [rows of logits], unit stride", layout(row_ends)
-        )
+    ):  # fmt: skip
+        expected = "int32 [rows of logits], unit stride"
+        raise mismatch("row_ends", expected, layout(row_ends))
     if out is not None and (
-        out.dtype != torch.float32
-        or out.stride() != stride
-        or out.shape != logits.shape
-        or out.data_ptr() % 16
-    ):
-        raise mismatch(
-            "out",
-            "fp32 with the shape and strides of logits, 16-byte aligned",
-            layout(out),
-        )
+        out.dtype != torch.float32 or out.stride() != stride
+        or out.shape != logits.shape or out.data_ptr() % 16
+    ):  # fmt: skip
+        expected = "fp32 with the shape and strides of logits, 16-byte aligned"
+        raise mismatch("out", expected, layout(out))
 
 
 class UpcastKernel(KpoolKernel["UpcastKernel.CompileKey"]):
@@ -69,12 +59,9 @@ class UpcastKernel(KpoolKernel["UpcastKernel.CompileKey"]):
     kernel = UpcastLogits
 
     def spec(
-        self,
-        *,
-        logits: torch.Tensor,
-        row_ends: torch.Tensor,
+        self, *, logits: torch.Tensor, row_ends: torch.Tensor,
         out: torch.Tensor | None = None,
-    ):
+    ):  # fmt: skip
         check(logits, row_ends, out)
         if out is None:
             out = logits.new_empty_strided(
@@ -88,9 +75,9 @@ class UpcastKernel(KpoolKernel["UpcastKernel.CompileKey"]):
     def warmup_inputs(self, compile_key: CompileKey) -> tuple:
         rows, width = cute.sym_int(), cute.sym_int()
         stride = (cute.sym_int64(divisibility=8), 1)
-        src = make_fake_tensor(BFloat16, (rows, width), stride, assumed_align=16)
-        dst = make_fake_tensor(Float32, (rows, width), stride, assumed_align=16)
-        ends = make_fake_tensor(Int32, (rows,), (1,), assumed_align=4)
+        src = fake(torch.bfloat16, (rows, width), stride, 16)
+        dst = fake(torch.float32, (rows, width), stride, 16)
+        ends = fake(torch.int32, (rows,), (1,))
         return src, dst, ends, Int32(CTAS)
 
 

@@ -1,15 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``kpool_decode_update_and_maybe_write_cache_batched``: the decode tail
-stash plus pool compression.
-
-One warp per request walks its tokens in position order (a completing token
-reads the stashes of the earlier ones), four dimensions per lane. The softmax,
-the Hadamard butterflies (strides 1 and 2 in a lane, 4..64 across lanes), the
-BF16 roundings, the accurate log2 and the scales follow the stock kernel's
-PTX: ``ex2.approx`` of ``(s - max) * log2(e)``, FMA accumulation in pool order
-and ``div.full`` divisions. Positions, slots and tail slots are widened to
-int64 as the stock kernel computes them.
+"""``UpdateKernel``'s device code: the decode tail stash plus pool
+compression. One warp per request walks its tokens in position order (a
+completing token reads the stashes of the earlier ones). The softmax, the
+Hadamard butterflies, the BF16 roundings, the accurate log2 and the scales
+follow the stock kernel's PTX (``common/ptx.py``); positions, slots and tail
+slots are widened to int64 as the stock kernel computes them.
 """
 
 import cuda.bindings.driver as cuda
@@ -18,21 +14,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from ...constants import DIM, POOL
-from ..common.ptx import (
-    add,
-    bits_float,
-    ceil,
-    div,
-    exp_diff,
-    float_bits,
-    fma,
-    load_words,
-    magnitude_bits,
-    pack_fp8,
-    round_bf16,
-    store_words,
-    unpack_bf16,
-)
+from ..common import ptx
 
 FP8_MAX = 448.0
 INV_SQRT_DIM = 0.08838834764831845  # 1/sqrt(128), exact in FP32
@@ -52,33 +34,20 @@ class KpoolUpdate:
 
     @cute.jit
     def __call__(
-        self,
-        cache: cute.Tensor,
-        tail: cute.Tensor,
-        tail_slots: cute.Tensor,
-        key: cute.Tensor,
-        score: cute.Tensor,
-        ape: cute.Tensor,
-        slots: cute.Tensor,
-        positions: cute.Tensor,
-        stream: cuda.CUstream,
-    ):
+        self, cache: cute.Tensor, tail: cute.Tensor, tail_slots: cute.Tensor,
+        key: cute.Tensor, score: cute.Tensor, ape: cute.Tensor, slots: cute.Tensor,
+        positions: cute.Tensor, stream: cuda.CUstream,
+    ):  # fmt: skip
         self.kernel(cache, tail, tail_slots, key, score, ape, slots, positions).launch(
             grid=(key.shape[0], 1, 1), block=(32, 1, 1), stream=stream, use_pdl=True
         )
 
     @cute.kernel
     def kernel(
-        self,
-        cache: cute.Tensor,
-        tail: cute.Tensor,
-        tail_slots: cute.Tensor,
-        key: cute.Tensor,
-        score: cute.Tensor,
-        ape: cute.Tensor,
-        slots: cute.Tensor,
+        self, cache: cute.Tensor, tail: cute.Tensor, tail_slots: cute.Tensor,
+        key: cute.Tensor, score: cute.Tensor, ape: cute.Tensor, slots: cute.Tensor,
         positions: cute.Tensor,
-    ):
+    ):  # fmt: skip
         req, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         dim = lane * 4
@@ -96,25 +65,18 @@ class KpoolUpdate:
             slot = safe_pos % POOL
             block = max(tail_slot, Int64(0)) // self.ring
             base = tail.iterator + block * self.tail_block
-            key_words = load_words(key_row + t * key.stride[1], 2)
-            score_words = load_words(score_row + t * score.stride[1], 2)
+            key_words = ptx.load_words(key_row + t * key.stride[1], 2)
+            score_words = ptx.load_words(score_row + t * score.stride[1], 2)
             # The completion reads the ring before this token's own stash.
             if loc >= 0 and pos >= 0 and slot == POOL - 1:
                 self.compress(
-                    cache,
-                    base,
-                    bias,
-                    _bf16x4(key_words),
-                    _bf16x4(score_words),
-                    safe_pos - slot,
-                    loc,
-                    lane,
-                    dim,
-                )
+                    cache, base, bias, _bf16x4(key_words), _bf16x4(score_words),
+                    safe_pos - slot, loc, lane, dim,
+                )  # fmt: skip
             if pos >= 0 and tail_slot >= 0:
                 row = base + (safe_pos % self.ring) * DIM + dim
-                store_words(row, key_words)
-                store_words(row + self.tail_half, score_words)
+                ptx.store_words(row, key_words)
+                ptx.store_words(row + self.tail_half, score_words)
 
     @cute.jit
     def compress(
@@ -127,9 +89,9 @@ class KpoolUpdate:
                 s, k = current_score, current_key
             else:
                 row = base + ((start + p) % self.ring) * DIM + dim
-                s = _bf16x4(load_words(row + self.tail_half, 2))
-                k = _bf16x4(load_words(row, 2))
-            scores.append([add(s[e], bias[p][e]) for e in range(4)])
+                s = _bf16x4(ptx.load_words(row + self.tail_half, 2))
+                k = _bf16x4(ptx.load_words(row, 2))
+            scores.append([ptx.add(s[e], bias[p][e]) for e in range(4)])
             keys.append(k)
         x = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
         for e in cutlass.range_constexpr(4):
@@ -139,10 +101,10 @@ class KpoolUpdate:
             denom = Float32(0.0)
             acc = Float32(0.0)
             for p in cutlass.range_constexpr(POOL):
-                prob = exp_diff(scores[p][e], peak)
-                denom = add(denom, prob)
-                acc = fma(prob, keys[p][e], acc)
-            x[e] = round_bf16(div(acc, denom))
+                prob = ptx.exp_diff(scores[p][e], peak)
+                denom = ptx.add(denom, prob)
+                acc = ptx.fma(prob, keys[p][e], acc)
+            x[e] = ptx.round_bf16(ptx.div(acc, denom))
         # Strides 1 and 2 inside the lane: (a, b) -> (a + b, a - b).
         for stride in cutlass.range_constexpr(1, 3):
             for i in cutlass.range_constexpr(4):
@@ -163,10 +125,10 @@ class KpoolUpdate:
         # reduction gives the same amax as five rounds of shuffles.
         magnitude = Int32(0)
         for i in cutlass.range_constexpr(4):
-            x[i] = round_bf16(x[i] * Float32(INV_SQRT_DIM))
-            magnitude = cutlass.max(magnitude, magnitude_bits(x[i]))
+            x[i] = ptx.round_bf16(x[i] * Float32(INV_SQRT_DIM))
+            magnitude = cutlass.max(magnitude, ptx.magnitude_bits(x[i]))
         magnitude = cute.arch.warp_redux_sync(magnitude, "max")
-        amax = cute.arch.fmax(bits_float(magnitude), Float32(1e-4))
+        amax = cute.arch.fmax(ptx.bits_float(magnitude), Float32(1e-4))
         ratio = amax * Float32(1.0 / FP8_MAX)
         scale = ratio
         exponent = Int32(0)
@@ -174,27 +136,28 @@ class KpoolUpdate:
             # exp2 of an integer is exact, so build the power of two from its
             # bits; from 2^128 on (an infinite amax too) stock's exp2 is +inf,
             # whose biased exponent 255 is also its UE8M0 byte.
-            rounded = ceil(cute.math.log2(ratio, fastmath=False))
+            rounded = ptx.ceil(cute.math.log2(ratio, fastmath=False))
             exponent = Int32(cute.arch.fmin(rounded, Float32(INF_EXPONENT)))
-            scale = bits_float(Uint32(exponent + 127) << 23)
+            scale = ptx.bits_float(Uint32(exponent + 127) << 23)
         y = [
             cute.arch.fmin(
-                cute.arch.fmax(div(x[i], scale), Float32(-FP8_MAX)), Float32(FP8_MAX)
+                cute.arch.fmax(ptx.div(x[i], scale), Float32(-FP8_MAX)),
+                Float32(FP8_MAX),
             )
             for i in range(4)
         ]
         page_base = cache.iterator + (loc // self.page) * self.page_bytes
         in_page = loc % self.page
-        store_words(page_base + in_page * DIM + dim, (pack_fp8(*y),))
+        ptx.store_words(page_base + in_page * DIM + dim, (ptx.pack_fp8(*y),))
         if lane == 0:
-            word = float_bits(scale)
+            word = ptx.float_bits(scale)
             if cutlass.const_expr(self.mx):
                 word = Uint32(exponent + 127) * Uint32(0x01010101)
-            store_words(page_base + self.page * DIM + in_page * 4, (word,))
+            ptx.store_words(page_base + self.page * DIM + in_page * 4, (word,))
 
 
 def _bf16x4(words):
     """The four FP32 values of two words of packed BF16."""
-    a, b = unpack_bf16(words[0])
-    c, d = unpack_bf16(words[1])
+    a, b = ptx.unpack_bf16(words[0])
+    c, d = ptx.unpack_bf16(words[1])
     return [a, b, c, d]

@@ -1,38 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The host side of ``KpoolUpdate``: what it takes, its compile key, its
-launch."""
+"""The host side of ``KpoolUpdate``: what it takes, its compile key, its launch."""
 
 from dataclasses import dataclass
 
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Uint8
-from cutlass.cute.runtime import make_fake_tensor
-
-from vllm.model_executor.warmup.jit_warmup import kernel_launcher
 
 from ...constants import DIM, POOL
-from ..common.host import INDEX_TYPES, KpoolKernel, check_devices, layout, mismatch
+from ..common.host import (
+    INDEX_TYPES,
+    KpoolKernel,
+    check_devices,
+    fake,
+    kernel_launcher,
+    layout,
+    mismatch,
+)
 from .kernel import KpoolUpdate
 
 TENSORS = (
-    "kv_cache",
-    "tail_kv_cache",
-    "tail_slot_mapping",
-    "key",
-    "slot_score",
-    "ape",
-    "slot_mapping",
-    "positions",
-)
+    "kv_cache", "tail_kv_cache", "tail_slot_mapping", "key", "slot_score", "ape",
+    "slot_mapping", "positions",
+)  # fmt: skip
 
 
 def check(tensors: tuple, pool_size, head_dim) -> None:
     """What ``KpoolUpdate``'s 4- and 8-byte accesses and its warp per request
-    take of ``kpool_decode_update_and_maybe_write_cache_batched``'s arguments:
-    its tensors (in ``TENSORS`` order), ``pool_size`` and ``head_dim``
-    (raises ``Refused``)."""
+    take of ``tensors`` (``TENSORS``), ``pool_size``, ``head_dim``."""
     check_devices(TENSORS, *tensors)
     kv_cache, tail, tail_slot_mapping, key, slot_score, ape = tensors[:6]
     slot_mapping, positions = tensors[6:]
@@ -42,71 +37,43 @@ def check(tensors: tuple, pool_size, head_dim) -> None:
         raise mismatch("pool_size", str(POOL), pool_size)
     cache = kv_cache.stride()
     if (
-        kv_cache.dtype is not torch.uint8
-        or len(cache) != 3
-        or cache[2] != 1
-        or cache[0] % 4
-        or kv_cache.data_ptr() % 4
-    ):
-        raise mismatch(
-            "kv_cache",
-            "uint8 [blocks, page, bytes], 4-byte aligned pages",
-            layout(kv_cache),
-        )
+        kv_cache.dtype is not torch.uint8 or len(cache) != 3 or cache[2] != 1
+        or cache[0] % 4 or kv_cache.data_ptr() % 4
+    ):  # fmt: skip
+        expected = "uint8 [blocks, page, bytes], 4-byte aligned pages"
+        raise mismatch("kv_cache", expected, layout(kv_cache))
     shape, stride = tail.shape, tail.stride()
     if (
-        tail.dtype is not torch.bfloat16
-        or len(shape) != 4
-        or shape[1] != 2
-        or shape[2] % POOL
-        or shape[3] != DIM
-        or stride[3] != 1
-        or stride[2] != DIM
-        or stride[1] % 4
-        or stride[0] % 4
-        or tail.data_ptr() % 8
-    ):
-        raise mismatch(
-            "tail_kv_cache",
-            "bf16 [blocks, 2, ring, 128], ring a multiple of 4, 8-byte aligned rows",
-            layout(tail),
-        )
+        tail.dtype is not torch.bfloat16 or len(shape) != 4 or shape[1] != 2
+        or shape[2] % POOL or shape[3] != DIM or stride[3] != 1 or stride[2] != DIM
+        or stride[1] % 4 or stride[0] % 4 or tail.data_ptr() % 8
+    ):  # fmt: skip
+        expected = "bf16 [blocks, 2, ring, 128], ring a multiple of 4, 8-byte "
+        raise mismatch("tail_kv_cache", expected + "aligned rows", layout(tail))
     rows = key.shape
     if key.dtype is not torch.bfloat16 or len(rows) != 3 or rows[2] != DIM:
         raise mismatch("key", "bf16 [requests, tokens, 128]", layout(key))
     for name, t in (("key", key), ("slot_score", slot_score)):
         stride = t.stride()
         if (
-            t.dtype is not torch.bfloat16
-            or t.shape != rows
-            or stride[2] != 1
-            or stride[1] % 4
-            or stride[0] % 4
-            or t.data_ptr() % 8
-        ):
-            raise mismatch(
-                name,
-                "bf16 [requests, tokens, 128] as key, unit dim stride, "
-                "8-byte aligned rows",
-                layout(t),
-            )
+            t.dtype is not torch.bfloat16 or t.shape != rows or stride[2] != 1
+            or stride[1] % 4 or stride[0] % 4 or t.data_ptr() % 8
+        ):  # fmt: skip
+            expected = "bf16 [requests, tokens, 128] as key, unit dim stride, "
+            raise mismatch(name, expected + "8-byte aligned rows", layout(t))
     if (
-        ape.dtype is not torch.float32
-        or ape.shape != (POOL, DIM)
-        or ape.stride() != (DIM, 1)
-        or ape.data_ptr() % 16
-    ):
+        ape.dtype is not torch.float32 or ape.shape != (POOL, DIM)
+        or ape.stride() != (DIM, 1) or ape.data_ptr() % 16
+    ):  # fmt: skip
         raise mismatch("ape", "a contiguous fp32 [4, 128]", layout(ape))
     tokens = rows[:2]
     for name, t in (
-        ("tail_slot_mapping", tail_slot_mapping),
-        ("slot_mapping", slot_mapping),
+        ("tail_slot_mapping", tail_slot_mapping), ("slot_mapping", slot_mapping),
         ("positions", positions),
-    ):
+    ):  # fmt: skip
         if t.dtype not in INDEX_TYPES or t.shape != tokens or not t.is_contiguous():
-            raise mismatch(
-                name, "a contiguous int32/int64 [requests, tokens]", layout(t)
-            )
+            expected = "a contiguous int32/int64 [requests, tokens]"
+            raise mismatch(name, expected, layout(t))
 
 
 class UpdateKernel(KpoolKernel["UpdateKernel.CompileKey"]):
@@ -133,44 +100,24 @@ class UpdateKernel(KpoolKernel["UpdateKernel.CompileKey"]):
     kernel = KpoolUpdate
 
     def spec(
-        self,
-        kv_cache: torch.Tensor,
-        tail_kv_cache: torch.Tensor,
-        tail_slot_mapping: torch.Tensor,
-        key: torch.Tensor,
-        slot_score: torch.Tensor,
-        ape: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        positions: torch.Tensor,
-        pool_size: int,
-        head_dim: int = DIM,
-        *,
-        mx_scales: bool,
+        self, kv_cache: torch.Tensor, tail_kv_cache: torch.Tensor,
+        tail_slot_mapping: torch.Tensor, key: torch.Tensor, slot_score: torch.Tensor,
+        ape: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
+        pool_size: int, head_dim: int = DIM, *, mx_scales: bool,
         round_scale: bool = True,
-    ):
+    ):  # fmt: skip
         tensors = (
-            kv_cache,
-            tail_kv_cache,
-            tail_slot_mapping,
-            key,
-            slot_score,
-            ape,
-            slot_mapping,
-            positions,
-        )
+            kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape,
+            slot_mapping, positions,
+        )  # fmt: skip
         check(tensors, pool_size, head_dim)
         compile_key = self.dispatch(
-            ring=tail_kv_cache.shape[2],
-            page=kv_cache.shape[1],
-            page_bytes=kv_cache.stride(0),
-            tail_block=tail_kv_cache.stride(0),
-            tail_half=tail_kv_cache.stride(1),
-            mx_scales=bool(mx_scales),
-            round_scale=bool(round_scale),
-            tail_slots_dtype=tail_slot_mapping.dtype,
-            slots_dtype=slot_mapping.dtype,
-            positions_dtype=positions.dtype,
-        )
+            ring=tail_kv_cache.shape[2], page=kv_cache.shape[1],
+            page_bytes=kv_cache.stride(0), tail_block=tail_kv_cache.stride(0),
+            tail_half=tail_kv_cache.stride(1), mx_scales=bool(mx_scales),
+            round_scale=bool(round_scale), tail_slots_dtype=tail_slot_mapping.dtype,
+            slots_dtype=slot_mapping.dtype, positions_dtype=positions.dtype,
+        )  # fmt: skip
         requests, tokens = key.shape[:2]
         return compile_key, tensors if requests and tokens else None, None
 
@@ -181,42 +128,24 @@ class UpdateKernel(KpoolKernel["UpdateKernel.CompileKey"]):
         rows = (requests, tokens)
 
         def indices(dtype):
-            return make_fake_tensor(
-                INDEX_TYPES[dtype], rows, (cute.sym_int64(), 1), assumed_align=4
-            )
+            return fake(dtype, rows, (cute.sym_int64(), 1))
 
         def rows_of_dims():
-            return make_fake_tensor(
-                BFloat16,
-                (*rows, DIM),
-                (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1),
-                assumed_align=8,
-            )
+            stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4))
+            return fake(torch.bfloat16, (*rows, DIM), (*stride, 1), 8)
 
         k = compile_key
-        cache = make_fake_tensor(
-            Uint8,
-            (cute.sym_int(), k.page, cute.sym_int()),
-            (cute.sym_int64(divisibility=4), cute.sym_int64(), 1),
-            assumed_align=4,
-        )
-        tail = make_fake_tensor(
-            BFloat16,
-            (cute.sym_int(), 2, k.ring, DIM),
-            (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), DIM, 1),
-            assumed_align=8,
-        )
-        ape = make_fake_tensor(Float32, (POOL, DIM), (DIM, 1), assumed_align=16)
+        shape = (cute.sym_int(), k.page, cute.sym_int())
+        stride = (cute.sym_int64(divisibility=4), cute.sym_int64(), 1)
+        cache = fake(torch.uint8, shape, stride)
+        shape = (cute.sym_int(), 2, k.ring, DIM)
+        stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4))
+        tail = fake(torch.bfloat16, shape, (*stride, DIM, 1), 8)
+        ape = fake(torch.float32, (POOL, DIM), (DIM, 1), 16)
         return (
-            cache,
-            tail,
-            indices(k.tail_slots_dtype),
-            rows_of_dims(),
-            rows_of_dims(),
-            ape,
-            indices(k.slots_dtype),
-            indices(k.positions_dtype),
-        )
+            cache, tail, indices(k.tail_slots_dtype), rows_of_dims(), rows_of_dims(),
+            ape, indices(k.slots_dtype), indices(k.positions_dtype),
+        )  # fmt: skip
 
 
 UPDATE = UpdateKernel()
