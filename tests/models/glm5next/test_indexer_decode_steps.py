@@ -153,7 +153,7 @@ def test_indexer_steps_cpu_kernel_only(tmp_path):
 
 def test_tools_print_help():
     """``--help`` prints the usage and runs nothing."""
-    for tool in ("indexer_steps.py", "warm_start_kpool.py"):
+    for tool in ("indexer_steps.py", "warm_start_kpool.py", "scores_timing.py"):
         proc = subprocess.run(
             [sys.executable, str(REPO / "tools" / tool), "--help"],
             capture_output=True, text=True, timeout=60,
