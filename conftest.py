@@ -85,6 +85,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:  # nothing will wait for them
+        return
     order = 0
     for item in session.items:
         module = getattr(item, "module", None)
