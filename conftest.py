@@ -12,8 +12,18 @@
   kernel-only shim over the staged stock sources instead.
 - Tests marked ``gpu`` or ``stock_topk`` (vLLM's own top-k, loaded from the
   wheel's binary) skip with a reason where CUDA is unavailable.
+- A test module's ``START_EARLY`` subprocesses (fixture name -> a function
+  that starts them, a list of ``Popen``) start once collection is done, if
+  a test of the session uses that fixture: pytest runs on one core, and CI
+  has two, so they run on the other while the tests before theirs run.
+  They run niced (``nice`` 5, 10, 15, 19 in the order the session needs
+  them), so that the tests, and the subprocess needed next, come first,
+  until their fixture waits for them.
+  The fixture takes them from the module's ``STARTED`` (by fixture name:
+  the pid that started them, the list); any not taken are killed at the end.
 """
 
+import contextlib
 import os
 import shutil
 import sys
@@ -72,6 +82,40 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str]:
     env = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
     return [_HEADER, f"kernel env: {env}"]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:  # nothing will wait for them
+        return
+    order = 0
+    for item in session.items:
+        module = getattr(item, "module", None)
+        for name, start in getattr(module, "START_EARLY", {}).items():
+            if name in item.fixturenames and name not in module.STARTED:
+                module.STARTED[name] = (os.getpid(), runs := start())
+                for run in runs:
+                    with contextlib.suppress(ProcessLookupError):  # ended
+                        os.setpriority(os.PRIO_PROCESS, run.pid, min(5 * order + 5, 19))
+                order += 1
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_fixture_setup(fixturedef, request) -> None:
+    """A fixture about to wait for its subprocesses started early: they run
+    at the tests' priority from now on, where this process may raise it."""
+    module = getattr(request, "module", None)
+    pid, runs = getattr(module, "STARTED", {}).get(fixturedef.argname, (0, ()))
+    for run in runs if pid == os.getpid() else ():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.setpriority(os.PRIO_PROCESS, run.pid, 0)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for module in {getattr(item, "module", None) for item in session.items}:
+        for pid, runs in getattr(module, "STARTED", {}).values():
+            for run in runs if pid == os.getpid() else ():  # not a fork's
+                run.kill()
+                run.wait()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:

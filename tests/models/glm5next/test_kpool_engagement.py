@@ -17,12 +17,15 @@ capability limit.
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 import transformers
 
@@ -206,24 +209,52 @@ class _Patches:
         mapping[key] = value
 
 
-def test_engagement_matrix():
-    """In a fresh interpreter: the selection caches what it probes, so other
-    tests' imports must not decide it."""
+def start_selection() -> list[subprocess.Popen]:
+    """``selection`` in a fresh interpreter: the selection caches what it
+    probes, so other tests' imports must not decide it. Its output in files
+    (a full pipe would stall a child started early)."""
     script = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); "
         "import test_kpool_engagement as t; "
         "print(json.dumps(sorted((list(k), list(v)) for k, v in "
         "t.selection(t._Patches()).items())))"
     )
-    child = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).parent)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    rows = json.loads(child.stdout.strip().splitlines()[-1])
-    assert {tuple(k): tuple(v) for k, v in rows} == ENGAGEMENT
+    # Closed by the fixture, once the child ended.
+    out = tempfile.TemporaryFile("w+")  # noqa: SIM115
+    err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+    command = [sys.executable, "-c", script, str(Path(__file__).parent)]
+    run = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+    run.out, run.err = out, err
+    return [run]
+
+
+# The root conftest.py starts the child once collection is done (half a
+# minute of CPU: vLLM's imports and its backends' probes).
+START_EARLY = {"selected": start_selection}
+STARTED: dict = {}
+
+
+@pytest.fixture(scope="module")
+def selected():
+    """The child's rows: (TP, GPU, KV cache) and (backends, what runs)."""
+    pid, runs = STARTED.pop("selected", (None, None))
+    if pid != os.getpid():  # not started, or by the process this one forked from
+        runs = start_selection()
+    [run] = runs
+    with run.out, run.err:
+        try:
+            run.wait(timeout=600)
+        finally:
+            run.kill()
+        run.out.seek(0), run.err.seek(0)
+        assert run.returncode == 0, run.err.read()[-4000:]
+        return json.loads(run.out.read().strip().splitlines()[-1])
+
+
+def test_engagement_matrix(selected):
+    """In a fresh interpreter (``selected``): the selection caches what it
+    probes, so other tests' imports must not decide it."""
+    assert {tuple(k): tuple(v) for k, v in selected} == ENGAGEMENT
 
 
 def test_reference_shows_the_matrix():

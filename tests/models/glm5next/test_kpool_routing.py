@@ -13,8 +13,10 @@ input took asserted. The stage launches only what its warmup compiled; each
 launch is computed by the kernel's stock twin.
 """
 
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from functools import partial
 from pathlib import Path
@@ -644,10 +646,11 @@ def test_hand_off_is_converted_once(bench):
     assert remap.pending is first
 
 
-def test_hand_off_check_survives_python_O():
-    """The check is not an assert: ``python -O`` keeps it. (The subprocess
-    loads ``runtime/remap.py`` with its vLLM imports stubbed: under ``-O``
-    every import compiles its source anew.)"""
+def start_python_O() -> list[subprocess.Popen]:
+    """The hand-off check under ``python -O``. (The subprocess loads
+    ``runtime/remap.py`` with its vLLM imports stubbed: under ``-O`` every
+    import compiles its source anew.) Its output in files (a full pipe would
+    stall a child started early)."""
     script = textwrap.dedent(f"""
         import importlib.util, sys, types
 
@@ -686,14 +689,42 @@ def test_hand_off_check_survives_python_O():
             sys.exit(0 if fused.pending is deferred else "replaced")
         sys.exit("a second hand-over was taken")
     """)
-    child = subprocess.run(
-        [sys.executable, "-O", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert child.returncode == 0, child.stdout + child.stderr[-4000:]
-    assert "refused: GLM-5-Next kpool: a deferred top-k" in child.stdout
+    # Closed by the fixture, once the child ended.
+    out = tempfile.TemporaryFile("w+")  # noqa: SIM115
+    err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+    command = [sys.executable, "-O", "-c", script]
+    run = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+    run.out, run.err = out, err
+    return [run]
+
+
+# The root conftest.py starts the child once collection is done (seconds of
+# CPU: torch's import).
+START_EARLY = {"python_O": start_python_O}
+STARTED: dict = {}
+
+
+@pytest.fixture(scope="module")
+def python_O():
+    """The child's (exit status, stdout, stderr)."""
+    pid, runs = STARTED.pop("python_O", (None, None))
+    if pid != os.getpid():  # not started, or by the process this one forked from
+        runs = start_python_O()
+    [run] = runs
+    with run.out, run.err:
+        try:
+            run.wait(timeout=300)
+        finally:
+            run.kill()
+        run.out.seek(0), run.err.seek(0)
+        return run.returncode, run.out.read(), run.err.read()
+
+
+def test_hand_off_check_survives_python_O(python_O):
+    """The check is not an assert: ``python -O`` keeps it (``python_O``)."""
+    returncode, stdout, stderr = python_O
+    assert returncode == 0, stdout + stderr[-4000:]
+    assert "refused: GLM-5-Next kpool: a deferred top-k" in stdout
 
 
 # --- The comparison sees every byte -----------------------------------------------

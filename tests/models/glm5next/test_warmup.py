@@ -8,10 +8,12 @@ off and says so ("strict": raises) (CPU; the self-check itself is
 
 import json
 import logging
+import os
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -245,30 +247,45 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def start_ranks() -> list[subprocess.Popen]:
+    """``warmup_ranks.py`` in 3 processes, one TP group over gloo on the CPU;
+    their output in files (a full pipe would stall a rank started early)."""
+    port, script = free_port(), Path(__file__).with_name("warmup_ranks.py")
+    runs = []
+    for rank in range(3):
+        # Closed by the fixture, once the rank ended.
+        out = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        command = [sys.executable, script, str(rank), "3", str(port)]
+        runs.append(subprocess.Popen(command, stdout=out, stderr=err, text=True))
+        runs[-1].out, runs[-1].err = out, err
+    return runs
+
+
+# The root conftest.py starts the ranks once collection is done (they take
+# a minute of CPU, mostly vLLM's import, three times).
+START_EARLY = {"ranks": start_ranks}
+STARTED: dict = {}
+
+
 @pytest.fixture(scope="module")
 def ranks():
-    """``warmup_ranks.py`` in 3 processes, one TP group over gloo on the CPU
-    (each rank's JSON line, by rank; at most 5 minutes, so that a rank that
+    """Each rank's JSON line, by rank (at most 5 minutes, so that a rank that
     waits for one that left fails the test rather than hangs it)."""
-    port, script = free_port(), Path(__file__).with_name("warmup_ranks.py")
-    runs = [
-        subprocess.Popen(
-            [sys.executable, script, str(rank), "3", str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(3)
-    ]
+    pid, runs = STARTED.pop("ranks", (None, None))
+    if pid != os.getpid():  # not started, or by the process this one forked from
+        runs = start_ranks()
     found = {}
     try:
         for rank, run in enumerate(runs):
-            out, err = run.communicate(timeout=300)
-            assert run.returncode == 0, err[-3000:]
-            found[rank] = json.loads(out.strip().splitlines()[-1])["results"]
+            run.wait(timeout=300)
+            run.out.seek(0), run.err.seek(0)
+            assert run.returncode == 0, run.err.read()[-3000:]
+            found[rank] = json.loads(run.out.read().strip().splitlines()[-1])["results"]
     finally:
         for run in runs:
             run.kill()
+            run.out.close(), run.err.close()
     return found
 
 

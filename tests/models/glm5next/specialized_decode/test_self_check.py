@@ -16,6 +16,7 @@ start as random bytes. GPU: the kernels of a GLM-5-Next deployment's keys
 pass on this GPU, within the start-up budget, and a corrupted one is
 caught with its seed."""
 
+import copy
 import functools
 import random
 import re
@@ -28,6 +29,7 @@ import pytest
 import torch
 from rule_edges import KEYS, SEEDS, SMS, allow_cpu
 
+from vllm.models.glm5next.nvidia.ops import kpool_compress
 from vllm.models.glm5next.nvidia.ops.kpool_compress import (
     expand_pools_and_append_tail,
 )
@@ -85,12 +87,44 @@ def changed(pool_ids, seq_lens, out, seq_offset):
     out[-1:, :1].bitwise_xor_(1)
 
 
+# Every case the self-check drew in this session, as drawn (before any
+# launch), by what decides it: the drawer, the key, the states of ``rng``
+# and ``gen``, the drawer's other arguments and the scales stock writes.
+# Several tests draw the same cases (a base case's seed, the select's 64
+# cases), and a case of many rows takes seconds of Triton's interpreter
+# (the remap's and the expansion's stock twins). Drawing is deterministic:
+# the replay test checks that with fresh draws (``Drawn.fresh``).
+DRAWN: dict = {}
+
+
+def reusing(draw, fresh=lambda: False):
+    """``draw``, a case drawn before in this session (a copy of it, the
+    generators left as the draw left them) unless ``fresh()``."""
+
+    def drawn(rng, gen, key, **extra):
+        scales = kpool_compress.mqa_logits_use_mx_scales()
+        state = (rng.getstate(), gen.device, gen.get_state().numpy().tobytes())
+        at = (draw, key, state, tuple(sorted(extra.items())), scales)
+        if at in DRAWN and not fresh():
+            case, rng_after, gen_after = DRAWN[at]
+            rng.setstate(rng_after)
+            gen.set_state(gen_after)
+            return copy.deepcopy(case)  # views of one storage stay one
+        case = draw(rng, gen, key, **extra)
+        DRAWN[at] = (copy.deepcopy(case), rng.getstate(), gen.get_state())
+        return case
+
+    return drawn
+
+
 @pytest.fixture
 def on_cpu(monkeypatch):
     """The rules take CPU tensors, the SMs are ``SMS``, and stock's update
     writes the scales of ``KEYS[UPDATE]`` (as a process whose stage has
-    them)."""
+    them); the self-check reuses the cases drawn before (``DRAWN``)."""
     monkeypatch.setattr(self_check, "sm_count", lambda index: SMS)
+    reused = {kernel: reusing(draw) for kernel, draw in cases.CASES.items()}
+    monkeypatch.setattr(self_check, "DRAWS", reused)
     with allow_cpu(), draws.stock_scales(KEYS[UPDATE]["mx_scales"]):
         yield
 
@@ -110,10 +144,14 @@ class Drawn:
         self.cases: list[cases.Case] = []
         self.inputs: list[dict] = []
         self.before: list[list[torch.Tensor]] = []
+        # True: every case drawn anew, none from ``DRAWN``.
+        self.fresh = False
         wrapped = {kernel: self.recorder(draw) for kernel, draw in cases.CASES.items()}
         monkeypatch.setattr(self_check, "DRAWS", wrapped)
 
     def recorder(self, draw):
+        draw = reusing(draw, lambda: self.fresh)
+
         def drawn(*args, **kwargs):
             case = draw(*args, **kwargs)
             self.cases.append(case)
@@ -230,6 +268,7 @@ def test_the_printed_seed_replays_the_case(drawn, kernel, at):
     assert match, problem
     failing, expected = drawn.inputs[at], drawn.cases[at].expected
     stock = drawn.stock(corrupt_last_byte)
+    drawn.fresh = True  # the replay draws anew
     replay = check({key: stock}, int(match[1]), 1)
     assert replay == problem.replace(f"case {at} ", "case 0 ")
     again = drawn.inputs[-1]

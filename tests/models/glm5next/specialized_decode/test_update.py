@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import draws
@@ -209,11 +210,12 @@ def stock_update_ptx(arch: str, mx: bool, round_scale: bool) -> str:
     return triton.compile(source, target=target).asm["ptx"]
 
 
-@pytest.fixture(scope="module")
-def stock_ptx(tmp_path_factory):
-    """The stock update's PTX of every arch and variant, compiled in a child
-    without TRITON_INTERPRET (interpreted kernels cannot be compiled)."""
-    out = tmp_path_factory.mktemp("stock") / "ptx.json"
+def start_stock_ptx() -> list[subprocess.Popen]:
+    """The child that compiles the stock update's PTX of every arch and
+    variant into a JSON file, without TRITON_INTERPRET (interpreted kernels
+    cannot be compiled); its output in a file (``run.err``)."""
+    scratch = tempfile.TemporaryDirectory()
+    out = Path(scratch.name, "ptx.json")
     script = (
         f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
         "from test_update import ARCHS, VARIANTS, stock_update_ptx; "
@@ -221,8 +223,31 @@ def stock_ptx(tmp_path_factory):
         "stock_update_ptx(a, m, r) for a in ARCHS for m, r in VARIANTS}))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-c", script], env=env, check=True)
-    return json.loads(out.read_text())
+    err = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the fixture closes it)
+    command = [sys.executable, "-c", script]
+    run = subprocess.Popen(command, env=env, stdout=err, stderr=err, text=True)
+    run.scratch, run.out, run.err = scratch, out, err
+    return [run]
+
+
+# The root conftest.py starts the child once collection is done (half a
+# minute of CPU: the imports, then Triton's compiles).
+START_EARLY = {"stock_ptx": start_stock_ptx}
+STARTED: dict = {}
+
+
+@pytest.fixture(scope="module")
+def stock_ptx():
+    """The stock update's PTX by ``arch-mx-round``."""
+    pid, runs = STARTED.pop("stock_ptx", (None, None))
+    if pid != os.getpid():  # not started, or by the process this one forked from
+        runs = start_stock_ptx()
+    [run] = runs
+    with run.scratch, run.err:
+        run.wait()
+        run.err.seek(0)
+        assert run.returncode == 0, run.err.read()[-3000:]
+        return json.loads(run.out.read_text())
 
 
 @pytest.mark.parametrize("arch", ARCHS)
