@@ -118,8 +118,8 @@ def spec_only(monkeypatch):
         module = sys.modules[type(kernel).__module__]
         monkeypatch.setattr(module, "check_devices", lambda *args, **kwargs: None)
 
-        def spec(kernel=kernel, name=name, **arguments):
-            key, _, out = kernel.spec(**arguments)
+        def spec(*args, kernel=kernel, name=name, **arguments):
+            key, _, out = kernel.spec(*args, **arguments)
             seen.append((name, key))
             return out
 
