@@ -19,8 +19,9 @@
   They run niced (``nice`` 5, 10, 15, 19 in the order the session needs
   them), so that the tests, and the subprocess needed next, come first,
   until their fixture waits for them.
-  The fixture takes them from the module's ``STARTED`` (by fixture name:
-  the pid that started them, the list); any not taken are killed at the end.
+  The fixture takes them with the ``started`` fixture (from the module's
+  ``STARTED``, by fixture name: the pid that started them, the list); any
+  not taken are killed at the end.
 """
 
 import contextlib
@@ -108,6 +109,19 @@ def pytest_fixture_setup(fixturedef, request) -> None:
     for run in runs if pid == os.getpid() else ():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.setpriority(os.PRIO_PROCESS, run.pid, 0)
+
+
+@pytest.fixture(scope="session")
+def started():
+    """``started(module, name)``: the subprocesses ``module.START_EARLY[name]``
+    started after collection, or started now (none were, or the process that
+    started them is the one this one forked from)."""
+
+    def take(module, name: str) -> list:
+        pid, runs = module.STARTED.pop(name, (None, None))
+        return runs if pid == os.getpid() else module.START_EARLY[name]()
+
+    return take
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

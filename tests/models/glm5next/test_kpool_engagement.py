@@ -17,7 +17,6 @@ capability limit.
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -235,12 +234,9 @@ STARTED: dict = {}
 
 
 @pytest.fixture(scope="module")
-def selected():
+def selected(request, started):
     """The child's rows: (TP, GPU, KV cache) and (backends, what runs)."""
-    pid, runs = STARTED.pop("selected", (None, None))
-    if pid != os.getpid():  # not started, or by the process this one forked from
-        runs = start_selection()
-    [run] = runs
+    [run] = started(request.module, "selected")
     with run.out, run.err:
         try:
             run.wait(timeout=600)

@@ -13,7 +13,6 @@ input took asserted. The stage launches only what its warmup compiled; each
 launch is computed by the kernel's stock twin.
 """
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -705,12 +704,9 @@ STARTED: dict = {}
 
 
 @pytest.fixture(scope="module")
-def python_O():
+def python_O(request, started):
     """The child's (exit status, stdout, stderr)."""
-    pid, runs = STARTED.pop("python_O", (None, None))
-    if pid != os.getpid():  # not started, or by the process this one forked from
-        runs = start_python_O()
-    [run] = runs
+    [run] = started(request.module, "python_O")
     with run.out, run.err:
         try:
             run.wait(timeout=300)

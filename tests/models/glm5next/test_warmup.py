@@ -8,7 +8,6 @@ off and says so ("strict": raises) (CPU; the self-check itself is
 
 import json
 import logging
-import os
 import re
 import socket
 import subprocess
@@ -269,12 +268,10 @@ STARTED: dict = {}
 
 
 @pytest.fixture(scope="module")
-def ranks():
+def ranks(request, started):
     """Each rank's JSON line, by rank (at most 5 minutes, so that a rank that
     waits for one that left fails the test rather than hangs it)."""
-    pid, runs = STARTED.pop("ranks", (None, None))
-    if pid != os.getpid():  # not started, or by the process this one forked from
-        runs = start_ranks()
+    runs = started(request.module, "ranks")
     found = {}
     try:
         for rank, run in enumerate(runs):

@@ -237,12 +237,9 @@ STARTED: dict = {}
 
 
 @pytest.fixture(scope="module")
-def stock_ptx():
+def stock_ptx(request, started):
     """The stock update's PTX by ``arch-mx-round``."""
-    pid, runs = STARTED.pop("stock_ptx", (None, None))
-    if pid != os.getpid():  # not started, or by the process this one forked from
-        runs = start_stock_ptx()
-    [run] = runs
+    [run] = started(request.module, "stock_ptx")
     with run.scratch, run.err:
         run.wait()
         run.err.seek(0)
