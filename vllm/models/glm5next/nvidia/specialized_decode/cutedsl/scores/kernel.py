@@ -35,10 +35,11 @@ re-associates it.
 
 CTA ``(split, b)`` takes the contiguous tiles ``[split * per, (split + 1) *
 per)`` of entry ``b``'s ``ceil(ctx / 64)`` tiles (``per = ceil(tiles /
-splits)``); one warpgroup: warp 0 reads the block table and issues the
-tile's TMA copies (the page's FP8 rows, 128-byte swizzled, and its FP32
-scales) ``STAGES`` tiles ahead, all four warps run the wgmma and the
-epilogue of each tile in turn.
+splits)``). A producer warp reads the block table and issues each tile's
+TMA copies (the page's FP8 rows, 128-byte swizzled, and its FP32 scales)
+into ``STAGES`` stages, refilling a stage once the consumers released it;
+the consumer warpgroup runs each tile's wgmma, releases the stage and runs
+the epilogue, never waiting on the producer's issue.
 """
 
 import cuda.bindings.driver as cuda
@@ -50,7 +51,10 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from ..common.ptx import inline_ptx
 
-THREADS = 128
+# The consumer warpgroup (warps 0-3), then the producer warp.
+CONSUMERS = 128
+PRODUCER = CONSUMERS // 32
+THREADS = CONSUMERS + 32
 # Pools a tile: wgmma's M.
 TILE = 64
 # The index head dimension, in FP8 bytes: one 128-byte swizzle row.
@@ -169,15 +173,18 @@ class KpoolScores:
         split, entry, _ = cute.arch.block_idx()
         splits, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
         s_q, s_pages, s_tiles, s_scale, s_w, bars = self.allocate()
-        if warp == 0:
+        if warp == PRODUCER:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_s)
         if tid == 0:
-            for i in cutlass.range_constexpr(STAGES + 1):
+            # A stage's "full" (the TMA bytes), its "empty" (every consumer
+            # thread done reading it), the query's.
+            for i in cutlass.range_constexpr(STAGES):
                 cute.arch.mbarrier_init(bars + i, 1)
+                cute.arch.mbarrier_init(bars + STAGES + i, CONSUMERS)
+            cute.arch.mbarrier_init(bars + 2 * STAGES, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         # The query, the weights, the lengths and the cache are the previous
@@ -215,27 +222,20 @@ class KpoolScores:
                 cute.group_modes(s_scale, 0, 1),
                 cute.group_modes(g_s, 0, 1),
             )
-            window = Int32(0)
-            if warp == 0:
-                if lane == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(bars + STAGES, self.n * DIM)
-                cute.copy(tma_q, q_gmem[None, entry], q_smem, tma_bar_ptr=bars + STAGES)
-                ahead = cutlass.min(last - first, STAGES)
-                for t in cutlass.range(first, first + ahead, unroll=1):
-                    window = self.issue(
-                        tma_k, k_gmem, k_smem, tma_s, s_gmem, s_smem, bars,
-                        block_table, entry, pages_used, first, t, window,
-                    )  # fmt: skip
-            # The weights of the entry's rows, (next_n, heads) in order.
-            row0 = entry * self.next_n
-            for c in cutlass.range(tid, self.n, THREADS, unroll=1):
-                s_w[c] = weights[row0 + c // self.heads, c % self.heads]
-            cute.arch.sync_threads()
-            self.tiles(
-                s_q, s_tiles, s_scale, s_w, bars, logits,
-                tma_k, k_gmem, k_smem, tma_s, s_gmem, s_smem,
-                block_table, entry, pages_used, ctx, first, last, window,
-            )  # fmt: skip
+            if warp == PRODUCER:
+                self.produce(
+                    tma_q, q_smem, q_gmem, tma_k, k_gmem, k_smem, tma_s, s_gmem,
+                    s_smem, bars, block_table, entry, pages_used, first, last,
+                )  # fmt: skip
+            else:
+                # The weights of the entry's rows, (next_n, heads) in order.
+                row0 = entry * self.next_n
+                for c in cutlass.range(tid, self.n, CONSUMERS, unroll=1):
+                    s_w[c] = weights[row0 + c // self.heads, c % self.heads]
+                cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMERS)
+                self.tiles(
+                    s_q, s_tiles, s_scale, s_w, bars, logits, entry, ctx, first, last
+                )
 
     def allocate(self):
         smem = cutlass.memory.SmemAllocator()
@@ -261,15 +261,38 @@ class KpoolScores:
             Float32, cute.make_layout((self.block, STAGES * self.pages)), 128
         )
         s_w = smem.allocate_tensor(Float32, cute.make_layout(self.n), 16)
-        bars = smem.allocate_array(cutlass.Int64, STAGES + 1)
+        bars = smem.allocate_array(cutlass.Int64, 2 * STAGES + 1)
         return s_q, s_pages, s_tiles, s_scale, s_w, bars
+
+    @cute.jit
+    def produce(
+        self, tma_q, q_smem, q_gmem, tma_k, k_gmem, k_smem, tma_s, s_gmem, s_smem,
+        bars, block_table, entry, pages_used, first, last,
+    ):  # fmt: skip
+        """The producer warp: the query, then each tile's copies into its
+        stage, once the consumers released the stage's previous tile."""
+        lane = cute.arch.lane_idx()
+        query = bars + 2 * STAGES
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(query, self.n * DIM)
+        cute.copy(tma_q, q_gmem[None, entry], q_smem, tma_bar_ptr=query)
+        window = Int32(0)
+        for t in cutlass.range(first, last, unroll=1):
+            i = t - first
+            if i >= STAGES:
+                empty = bars + STAGES + i % STAGES
+                cute.arch.mbarrier_wait(empty, (i // STAGES - 1) % 2)
+            window = self.issue(
+                tma_k, k_gmem, k_smem, tma_s, s_gmem, s_smem, bars,
+                block_table, entry, pages_used, first, t, window,
+            )  # fmt: skip
 
     @cute.jit
     def issue(
         self, tma_k, k_gmem, k_smem, tma_s, s_gmem, s_smem, bars,
         block_table, entry, pages_used, first, t, window,
     ):  # fmt: skip
-        """Warp 0 issues tile ``t``'s copies into its stage. Lane ``j`` holds
+        """The producer issues tile ``t``'s copies into its stage. Lane ``j`` holds
         the page of the CTA's ``j``-th page slot of the current 32 in
         ``window`` (one coalesced load per 32 pages); page slots past the
         entry's pages read page 0, as DeepGEMM does (those pools are past
@@ -302,11 +325,9 @@ class KpoolScores:
         return window
 
     @cute.jit
-    def tiles(
-        self, s_q, s_tiles, s_scale, s_w, bars, logits,
-        tma_k, k_gmem, k_smem, tma_s, s_gmem, s_smem,
-        block_table, entry, pages_used, ctx, first, last, window,
-    ):  # fmt: skip
+    def tiles(self, s_q, s_tiles, s_scale, s_w, bars, logits, entry, ctx, first, last):
+        """The consumer warpgroup: each tile's wgmma, the release of its
+        stage, its epilogue."""
         tid, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -325,7 +346,8 @@ class KpoolScores:
         acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE, self.n)), Float32)
         # The accumulator rows of this thread: pools r0 and r0 + 8 of a tile.
         r0 = warp * 16 + lane // 4
-        cute.arch.mbarrier_wait(bars + STAGES, 0)
+        r1 = r0 + 8
+        cute.arch.mbarrier_wait(bars + 2 * STAGES, 0)
         for t in cutlass.range(first, last, unroll=1):
             stage = (t - first) % STAGES
             cute.arch.mbarrier_wait(bars + stage, ((t - first) // STAGES) % 2)
@@ -340,15 +362,10 @@ class KpoolScores:
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             scale0 = s_scale[r0 % self.block, stage * self.pages + r0 // self.block]
-            r1 = r0 + 8
             scale1 = s_scale[r1 % self.block, stage * self.pages + r1 // self.block]
-            # Every thread is done with the stage: refill it.
-            cute.arch.sync_threads()
-            if warp == 0 and t + STAGES < last:
-                window = self.issue(
-                    tma_k, k_gmem, k_smem, tma_s, s_gmem, s_smem, bars,
-                    block_table, entry, pages_used, first, t + STAGES, window,
-                )  # fmt: skip
+            # This thread is done with the stage (its arrive releases the
+            # reads above): the producer refills it once all have arrived.
+            cute.arch.mbarrier_arrive(bars + STAGES + stage)
             self.epilogue(acc, s_w, scale0, scale1, logits, entry, t * TILE + r0, ctx)
 
     @cute.jit
