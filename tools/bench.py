@@ -286,20 +286,25 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
         ours = p(calls, [ours_select, p(ours_remap, t, True)])
         return [("select", [stock_topk], [ours_select]),
                 ("chain", [stock], [ours])], {}
-    if kind == "step":  # the indexer decode after the query, DeepGEMM's on
+    # The indexer decode after the query: DeepGEMM's scores and the stock top-k
+    # or the select, or (step_scores) our scores and the select.
+    if kind == "step":
         n, pools = case["next_n"], case["context"]
         e = draw_ends(rows, n, pools, "full", dev, gen)
         s = score_inputs(rows, n, case["heads"], e, dev, gen)
         t = topk_inputs(rows * n, dev, gen, e.to(torch.int64) * POOL + 2, pools * POOL)
         max_seq_len, lens = POOL * pools, s["context_lens"]
         scores = p(K.deep_gemm.fp8_fp4_paged_mqa_logits, **s, max_context_len=pools)
+        ours_scores = p(K.scores, q=s["q"], kv_cache=s["kv_cache"], seq_lens=lens,
+                        weights=s["weights"], block_table=s["block_table"],
+                        max_model_len=pools)
 
         def stock():  # as_fp32_logits returns SM90's FP32 scores as they are
             logits = K.as_fp32_logits(scores(), e)
             K.stock_topk(logits, lens, t["pool_topk"], K_POOLS, max_seq_len)
             stock_remap(t, True)
 
-        def ours(select):
+        def ours(select, scores=scores):
             logits = scores()
             if select:
                 K.select_topk(logits, e, K_POOLS, out=t["pool_topk"])
@@ -307,8 +312,10 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
                 K.stock_topk(logits, lens, t["pool_topk"], K_POOLS, max_seq_len)
             ours_remap(t, True)
 
-        return [("step", [stock], [p(ours, False)]),
-                ("step_select", [stock], [p(ours, True)])], dict(alone=scores)
+        pairs = [("step", [stock], [p(ours, False)]),
+                 ("step_select", [stock], [p(ours, True)]),
+                 ("step_scores", [stock], [p(ours, True, ours_scores)])]
+        return pairs, dict(alone=(scores, ours_scores))
     u = update_inputs(rows, case.get("tokens", 1), dev, gen)
     t = topk_inputs(rows, dev, gen)
     if kind == "update":
@@ -383,8 +390,9 @@ def measure(case: dict, plan: Plan, dev, copy_gbs: float) -> dict:
         for timer, (s, o) in figures.items():
             key = f"{pair}_{timer}" if pair else timer
             row[f"{key}_us"], row[f"{key}_spread"] = [s[0], o[0]], [s[1], o[1]]
-    if "alone" in extra:  # DeepGEMM's scores alone: [DeepGEMM, ours]
-        row["scores_graph_us"] = [graph_us([extra.pop("alone")], plan.rep_ms)[0], None]
+    if "alone" in extra:  # the scores alone: [DeepGEMM, ours]
+        alone = extra.pop("alone")
+        row["scores_graph_us"] = [graph_us([fn], plan.rep_ms)[0] for fn in alone]
     if "bytes" in extra:  # bytes / µs = MB/s
         row["roof"] = [extra["bytes"] / us / 1e3 / copy_gbs for us in row["graph_us"]]
     return row | extra
@@ -438,6 +446,9 @@ def load_kernels(stock_topk_so: str | None, deep_gemm: str | None = None) -> Non
     from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits
     from vllm.models.glm5next.nvidia.ops import kpool_compress
     from vllm.models.glm5next.nvidia.specialized_decode import kpool
+    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores import (
+        launch as scores,
+    )
     from vllm.v1.attention.backends.mla.sparse_utils import (
         triton_convert_req_index_to_global_index,
     )
@@ -449,6 +460,7 @@ def load_kernels(stock_topk_so: str | None, deep_gemm: str | None = None) -> Non
     for fn in ("kpool_update", "expand_pools", "expand_and_remap", "upcast_logits"):
         setattr(K, fn, getattr(kpool, fn))
     K.select_topk = kpool.select_topk
+    K.scores = scores.SCORES
     if deep_gemm:  # vLLM's vendored DeepGEMM, from the folder that holds it
         sys.path.insert(0, deep_gemm)
         import deep_gemm as dg

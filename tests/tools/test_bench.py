@@ -125,6 +125,17 @@ def spec_only(monkeypatch):
 
         monkeypatch.setattr(kpool, name, spec)
     monkeypatch.setattr(launch, "sm_count", lambda index: 132)
+    kernel = bench.K.scores
+    scores = sys.modules[type(kernel).__module__]
+    monkeypatch.setattr(scores, "check_devices", lambda *args, **kwargs: None)
+    monkeypatch.setattr(scores, "sm_count", lambda index: 132)
+
+    def scores_spec(**arguments):
+        key, _, out = kernel.spec(**arguments)
+        seen.append(("SCORES", key))
+        return out
+
+    monkeypatch.setattr(bench.K, "scores", scores_spec)
     flag = bench.K.compress.mqa_logits_use_mx_scales  # the stock update sets it
     monkeypatch.setattr(bench.K.compress, "mqa_logits_use_mx_scales", flag)
     monkeypatch.setattr(bench.K, "stock_topk", stock_topk, raising=False)
@@ -172,10 +183,14 @@ def test_both_sides_take_every_case_s_inputs(spec_only):
             assert keys["UPDATE"].mx_scales == mx and ("UPCAST" in keys) == upcast
             assert keys["REMAP"].counts == counts
             assert bench.K.compress.mqa_logits_use_mx_scales() == mx  # stock's
-        elif case.get("case") == "step":  # DeepGEMM's scores on both sides
-            assert keys.keys() == {"SELECT", "REMAP"} and keys["REMAP"].counts
+        elif case.get("case") == "step":  # DeepGEMM's or our scores
+            assert keys.keys() == {"SELECT", "REMAP", "SCORES"} and keys["REMAP"].counts
             assert keys["SELECT"].dtype == torch.float32
-            assert extra["alone"]().shape == (2 * case["next_n"], 4096)
+            scores_key = keys["SCORES"]
+            assert (scores_key.heads, scores_key.next_n) == (32, case["next_n"])
+            assert scores_key.block == bench.BLOCK
+            for scores in extra["alone"]:
+                assert scores().shape == (2 * case["next_n"], 4096)
         elif "case" in case:
             assert keys.keys() == {kernels[case["case"]]}, case
         else:
