@@ -63,6 +63,11 @@ DIM = 128
 STAGES = 4
 # The wgmma K step for FP8.
 K_STEP = 32
+# The widest N (next_n x heads) whose tiles keep the thread's weights in
+# registers (N / 4 of them) and load the pool scales while the wgmma runs;
+# wider ones read both from shared memory after it, which measured faster at
+# N = 64 (docs/performance.md, "Our scores").
+HOISTED = 32
 
 
 @inline_ptx(Float32, pure=True)
@@ -347,6 +352,7 @@ class KpoolScores:
         # The accumulator rows of this thread: pools r0 and r0 + 8 of a tile.
         r0 = warp * 16 + lane // 4
         r1 = r0 + 8
+        weights = self.thread_weights(s_w)
         cute.arch.mbarrier_wait(bars + 2 * STAGES, 0)
         for t in cutlass.range(first, last, unroll=1):
             stage = (t - first) % STAGES
@@ -360,16 +366,40 @@ class KpoolScores:
                     atom, acc, frag_k[None, None, k, stage], frag_q[None, None, k], acc
                 )
             warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            if cutlass.const_expr(self.n > HOISTED):
+                warpgroup.wait_group(0)
             scale0 = s_scale[r0 % self.block, stage * self.pages + r0 // self.block]
             scale1 = s_scale[r1 % self.block, stage * self.pages + r1 // self.block]
+            if cutlass.const_expr(self.n <= HOISTED):
+                warpgroup.wait_group(0)
             # This thread is done with the stage (its arrive releases the
             # reads above): the producer refills it once all have arrived.
             cute.arch.mbarrier_arrive(bars + STAGES + stage)
-            self.epilogue(acc, s_w, scale0, scale1, logits, entry, t * TILE + r0, ctx)
+            self.epilogue(
+                acc, s_w, weights, scale0, scale1, logits, entry, t * TILE + r0, ctx
+            )
+
+    def thread_weights(self, s_w):
+        """This thread's weights, ``[row][j][parity]`` for head ``8 j + 2 *
+        (lane % 4) + parity`` of each row, in registers (None: wider than
+        ``HOISTED``, read from ``s_w`` each tile)."""
+        if self.n > HOISTED:
+            return None
+        groups = self.heads // 8
+        return [
+            [[self.weight(s_w, None, i, j, p) for p in range(2)] for j in range(groups)]
+            for i in range(self.next_n)
+        ]
+
+    def weight(self, s_w, weights, i, j, parity):
+        """Row ``i``'s weight of head ``8 j + 2 * (lane % 4) + parity``."""
+        if weights is not None:
+            return weights[i][j][parity]
+        quad = cute.arch.lane_idx() % 4
+        return s_w[i * self.heads + 8 * j + 2 * quad + parity]
 
     @cute.jit
-    def epilogue(self, acc, s_w, scale0, scale1, logits, entry, pool0, ctx):
+    def epilogue(self, acc, s_w, weights, scale0, scale1, logits, entry, pool0, ctx):
         lane = cute.arch.lane_idx()
         quad = lane % 4
         groups = self.heads // 8
@@ -377,9 +407,9 @@ class KpoolScores:
             base = i * self.heads // 2  # the row's first accumulator
             sums = [Float32(0.0)] * 4
             for e in cutlass.range_constexpr(4):
-                first = acc[base + e], s_w[i * self.heads + 2 * quad + e % 2]
+                first = acc[base + e], self.weight(s_w, weights, i, 0, e % 2)
                 for j in cutlass.range_constexpr(1, groups):
-                    w = s_w[i * self.heads + 8 * j + 2 * quad + e % 2]
+                    w = self.weight(s_w, weights, i, j, e % 2)
                     value = acc[base + 4 * j + e]
                     if j == 1:
                         # nvcc fuses the first product into the second add.
