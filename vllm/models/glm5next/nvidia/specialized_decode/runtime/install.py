@@ -72,7 +72,7 @@ def install(vllm_config, attentions):
     stage = KpoolStage(
         attentions, max_rows, buffer.device, mx_scales=mqa_logits_use_mx_scales(),
         select=config.select, select_one_wave=config.select_one_wave,
-        self_check=config.self_check, seed=config.self_check_seed,
+        scores=config.scores, self_check=config.self_check, seed=config.self_check_seed,
     )  # fmt: skip
     registry().add(stage, buffer)
     stage.warmup.register()

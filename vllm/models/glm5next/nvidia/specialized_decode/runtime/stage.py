@@ -123,12 +123,13 @@ class KpoolStage:
 
     def __init__(
         self, attentions, max_rows: int, device, *, mx_scales: bool,
-        select: bool = False, select_one_wave: bool = False, self_check: str = "on",
-        seed: int | None = None,
+        select: bool = False, select_one_wave: bool = False, scores: bool = False,
+        self_check: str = "on", seed: int | None = None,
     ):  # fmt: skip
         attentions = list(attentions)
         self.max_rows, self.mx_scales, self.select = max_rows, mx_scales, select
         self.select_one_wave = select and select_one_wave
+        self.scores = scores
         self.executors: dict = {}
         self.kernels = StageKernels(
             UpdateKernel(self), ExpandKernel(self), RemapKernel(self),
@@ -244,6 +245,11 @@ class KpoolStage:
         scales = "MX scales" if self.mx_scales else "FP32 scales"
         upcast = "no upcast (FP32 logits, stock returns them)"
         upcast = "upcast" if self.mx_scales else upcast
+        if self.scores:
+            # The kernel takes FP32 scales only: with MX scales DeepGEMM's run.
+            scores = "DeepGEMM scores (MX scales)"
+            scores = scores if self.mx_scales else "scores (opt-in) or DeepGEMM scores"
+            upcast = f"{scores}, {upcast}"
         lines = []
         for attn, why in zip(attentions, self.why_not_fused, strict=True):
             name = str(attn.indexer.k_cache.prefix).removesuffix(".indexer.k_cache")
