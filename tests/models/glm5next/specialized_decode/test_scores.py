@@ -33,6 +33,8 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.kernel import
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch import (
     BLOCKS,
     CTAS_PER_SM,
+    CTAS_PER_SM_FEW,
+    FEW_TILES,
     HEADS,
     NEXT_N,
     SCORES,
@@ -159,9 +161,13 @@ def test_scores_rule_wants_cuda_tensors():
 
 
 def test_scores_splits():
-    """An entry's tiles are split over ``CTAS_PER_SM * sms / entries`` CTAs,
-    at least one, at most one a 64-pool tile of the width."""
-    assert splits_for(1, 65536, 132) == CTAS_PER_SM * 132
+    """An entry's tiles are split over ``ctas * sms / entries`` CTAs, at
+    least one, at most one a 64-pool tile of the width: ``ctas`` four where
+    the step has at most ``FEW_TILES`` tiles an SM, else two."""
+    few = FEW_TILES * 132 * 64  # pools of the most tiles that count as few
+    assert splits_for(1, 65536, 132) == CTAS_PER_SM_FEW * 132
+    assert splits_for(2, few // 2, 132) == CTAS_PER_SM_FEW * 132 // 2
+    assert splits_for(2, few // 2 + 64, 132) == CTAS_PER_SM * 132 // 2
     assert splits_for(8, 65536, 132) == -(-CTAS_PER_SM * 132 // 8)
     assert splits_for(1000, 65536, 132) == 1
     assert splits_for(1, 100, 132) == 2

@@ -23,9 +23,12 @@ BLOCKS = (32, 64)
 # DeepGEMM's logits row stride: the width rounded up to 256 columns.
 ROW_ALIGN = 256
 # CTAs a step aims at, per SM: an entry's tiles are split over
-# ceil(CTAS_PER_SM * sms / entries) CTAs, so that one entry keeps every SM
-# reading.
-CTAS_PER_SM = 2
+# ceil(ctas * sms / entries) CTAs, so that one entry keeps every SM reading.
+# Four where the step has few tiles (at most FEW_TILES a SM), so that more
+# CTAs hide each one's start (its block table, query and weights); else two,
+# since more concurrent streams an SM read a large cache slower
+# (docs/performance.md, "Our scores").
+CTAS_PER_SM, CTAS_PER_SM_FEW, FEW_TILES = 2, 4, 16
 
 
 @functools.cache
@@ -35,9 +38,11 @@ def sm_count(index: int) -> int:
 
 
 def splits_for(entries: int, width: int, sms: int) -> int:
-    """The CTAs an entry's tiles are split over."""
+    """The CTAs an entry's tiles (of a ``width``-pool row) are split over."""
     tiles = -(-width // TILE)
-    return max(1, min(tiles, -(-CTAS_PER_SM * sms // max(entries, 1))))
+    few = entries * tiles <= FEW_TILES * sms
+    ctas = CTAS_PER_SM_FEW if few else CTAS_PER_SM
+    return max(1, min(tiles, -(-ctas * sms // max(entries, 1))))
 
 
 def row_stride(width: int) -> int:
