@@ -303,8 +303,14 @@ def decode_capacity(vllm_config) -> int:
     """Decode rows of one step: max_num_seqs x (1 + speculative tokens), at
     most max_num_batched_tokens (as the sparse MLA index groups are sized)."""
     scheduler = vllm_config.scheduler_config
-    spec = vllm_config.speculative_config
-    num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
     return min(
-        scheduler.max_num_batched_tokens, scheduler.max_num_seqs * (1 + num_spec)
+        scheduler.max_num_batched_tokens,
+        scheduler.max_num_seqs * decode_next_n(vllm_config),
     )
+
+
+def decode_next_n(vllm_config) -> int:
+    """The most query rows a decode request has in one step (its ``next_n``):
+    1 + the speculative tokens."""
+    spec = vllm_config.speculative_config
+    return 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
