@@ -11,6 +11,7 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.model_executor.warmup.jit_warmup import WarmupChoices
+from vllm.utils.deep_gemm import native_next_n_supported
 
 from ..config import SELF_CHECK_SEED_ENV, STAGE
 from ..constants import POOL
@@ -75,13 +76,17 @@ def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
 def scores_values(stage, indexer, kv) -> list[tuple[Any, dict]]:
     """The opt-in scores' values of a layer, where the kernel takes its
     heads and page size (else none: DeepGEMM runs): each ``next_n`` from 1
-    to the stage's that the kernel takes (a larger one runs DeepGEMM)."""
+    to the stage's that the kernel and DeepGEMM take (another runs
+    DeepGEMM, or never reaches it)."""
     # The indexer hands DeepGEMM its heads zero-padded to 32 when fewer.
     heads = max(indexer.n_head, 32)
     block = kv.shape[1]
     if heads not in HEADS or block not in BLOCKS:
         return []
-    next_n = [n for n in range(1, stage.next_n + 1) if n in NEXT_N]
+    # The indexer's metadata flattens a step of a next_n DeepGEMM does not
+    # take (SM90: 3) into single rows; its self-check twin would refuse it.
+    next_n = range(1, stage.next_n + 1)
+    next_n = [n for n in next_n if n in NEXT_N and native_next_n_supported(n)]
     return [(SCORES, dict(heads=heads, next_n=WarmupChoices(*next_n), block=block))]
 
 
