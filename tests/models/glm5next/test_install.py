@@ -205,14 +205,15 @@ SCORED = (
 )
 def test_install_with_the_scores_logs_it(installed, make_config, monkeypatch,
                                          extra, scores, tail):  # fmt: skip
-    """``kpool_scores`` reaches the stage, and its start-up line names the
-    scores, DeepGEMM's where the kernel does not take a call."""
+    """``kpool_scores`` reaches the stage with the deployment's next_n (1 +
+    its 3 speculative tokens), and its start-up line names the scores,
+    DeepGEMM's where the kernel does not take a call."""
     from vllm.models.glm5next.nvidia.specialized_decode.runtime import stage
 
     monkeypatch.setattr(stage, "sm_count", lambda index: 132)
     config = make_config(additional_config={**ON, **extra})
     built = install.install(config, attentions(1))
-    assert built.scores is scores
+    assert built.scores is scores and built.next_n == 4
     [(_, line)] = installed()
     assert line.endswith(f"DSA layers: model.layers.0.self_attn: {tail}"), line
 
