@@ -29,6 +29,11 @@ def mqa_logits_use_mx_scales() -> bool:
     return _capability()[0] == 10 if flag is None else flag
 
 
+def native_next_n_supported(next_n: int) -> bool:
+    """As stock: SM90's paged MQA logits take next_n 1, 2 and 4 only."""
+    return _capability()[0] != 9 or next_n in (1, 2, 4)
+
+
 @functools.cache
 def _capability() -> tuple[int, int]:
     import torch
@@ -151,7 +156,9 @@ def stubs() -> dict[str, dict[str, Any]]:
         deep_gemm: {
             "mqa_logits_use_mx_scales": mqa_logits_use_mx_scales,
             "has_deep_gemm": lambda: False,
+            "native_next_n_supported": native_next_n_supported,
             **ops(deep_gemm, "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits"),
+            **ops(deep_gemm, "get_paged_mqa_logits_metadata"),
         },
         "vllm.model_executor.layers.indexer_topk": ops(
             "vllm.model_executor.layers.indexer_topk", "get_indexer_topk"

@@ -43,6 +43,9 @@ from vllm.models.glm5next.nvidia import sparse_indexer
 from vllm.models.glm5next.nvidia.ops import kpool_compress as kpool_ops
 from vllm.models.glm5next.nvidia.specialized_decode import kpool
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common import host
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores import (
+    launch as scores_launch,
+)
 from vllm.models.glm5next.nvidia.specialized_decode.runtime import install, remap
 from vllm.models.glm5next.nvidia.specialized_decode.runtime import (
     stage as stage_module,
@@ -65,7 +68,7 @@ STOCK_CONVERT = sparse_utils.triton_convert_req_index_to_global_index
 STOCK_MX = deep_gemm.mqa_logits_use_mx_scales
 KERNELS = dict(
     update=kpool.UPDATE, expand=kpool.EXPAND, remap=kpool.REMAP,
-    upcast=kpool.UPCAST, select=kpool.SELECT,
+    upcast=kpool.UPCAST, select=kpool.SELECT, scores=scores_launch.SCORES,
 )  # fmt: skip
 StageRegistry = install.StageRegistry
 
@@ -301,6 +304,13 @@ def twin(name: str, key, *args) -> None:
         logits, out, ends, _ = args
         below = torch.arange(logits.shape[1], device=logits.device) < ends[:, None]
         out[below] = STOCK_UPCAST(logits, ends)[below]
+    elif name == "scores":
+        q, kv, weights, lens, tables, out, _ = args
+        width = out.shape[1]
+        logits = paged_logits((q, None), kv, weights, lens, tables, max_model_len=width)
+        ends = lens[:, -1].repeat_interleave(q.shape[1])
+        below = torch.arange(width, device=out.device) < ends[:, None]
+        out.view(torch.int32)[below] = logits.view(torch.int32)[below]
     else:
         logits, ends, out = args
         out.copy_(contract_topk(logits, ends, key.k))
@@ -340,7 +350,8 @@ class Spies:
         for kernel in KERNELS.values():
             launch = sys.modules[type(kernel).__module__]
             patch.setattr(launch, "check_devices", any_device)
-        for module in (stage_module, sys.modules[type(kpool.SELECT).__module__]):
+        for module in (stage_module, sys.modules[type(kpool.SELECT).__module__],
+                       scores_launch):  # fmt: skip
             patch.setattr(module, "sm_count", lambda index: 132)
         update = "kpool_decode_update_and_maybe_write_cache_batched"
         for name, module, label in (
@@ -510,6 +521,7 @@ class Model:
                     tail_cache=NS(prefix=tail_prefix, kv_cache=self.tail[layer]),
                     topk_indices_buffer=self.buffer, topk_tokens=geo.topk,
                     scale_fmt=geo.scale_fmt, max_pool_len=geo.max_pool_len,
+                    n_head=geo.heads,
                 ),
                 mla_attn=NS(mla_attn=mla),
             ))  # fmt: skip
@@ -639,18 +651,19 @@ def context(fwd, mode=CUDAGraphMode.NONE, metadata="step", dummy_run=False):
     )  # fmt: skip
 
 
-def build_stage(model: Model, registry, *, max_rows=None, select=False, warm=True):
+def build_stage(model: Model, registry, *, max_rows=None, select=False, scores=False,
+                warm=True):  # fmt: skip
     """``model``'s stage as ``install()`` builds it and the JIT warmup turns
     it on: a ``KpoolStage`` added to ``registry`` (a ``StageRegistry``: the
     model's ``SPECIALIZED_KPOOL``) by its top-k buffer, then (``warm``) each
     of its kernels' warmup keys and compile, in the order vLLM's JIT warmup
     registry takes them, self-check off (it has its own tests). ``select``:
-    ``kpool_select``'s value."""
+    ``kpool_select``'s value; ``scores``: ``kpool_scores``'s."""
     stage = stage_module.KpoolStage(
         model.attentions, model.sim.geo.capacity if max_rows is None else max_rows,
         model.buffer.device, mx_scales=model.sim.backend.mx,
         select=select is not False, select_one_wave=select == "one_wave",
-        self_check="off",
+        scores=scores, next_n=model.sim.geo.spec + 1, self_check="off",
     )  # fmt: skip
     registry.add(stage, model.buffer)
     model.stage, model.kpool = stage, registry
@@ -1037,13 +1050,13 @@ class Step:
 
 class Bench:
     """One step of one DSA layer (CPU): ``run`` runs it on the engine (its
-    stage built, warmed up and spied; ``select``: opted in) or another
-    model, ``stock`` on a fresh model of ``stock_module`` (the unpatched
-    indexer), each from the same initial caches and inputs."""
+    stage built, warmed up and spied; ``select``, ``scores``: opted in) or
+    another model, ``stock`` on a fresh model of ``stock_module`` (the
+    unpatched indexer), each from the same initial caches and inputs."""
 
     def __init__(self, spies: Spies, step: Step, stock_module=None, *, mx=False,
-                 registry=None, max_rows=None, select=False, warm=True,
-                 **model):  # fmt: skip
+                 registry=None, max_rows=None, select=False, scores=False,
+                 warm=True, **model):  # fmt: skip
         geo, backend = step.geometry(), step.backend(mx)
         self.sim = Sim(geo, backend, "cpu", step.seed, spies.timeline)
         self.spies, self.stock_module, self.model = spies, stock_module, model
@@ -1052,8 +1065,9 @@ class Bench:
         self.engine = Model(self.sim, "stage", **model)
         self.registry = StageRegistry() if registry is None else registry
         build_stage(
-            self.engine, self.registry, max_rows=max_rows, select=select, warm=warm
-        )
+            self.engine, self.registry, max_rows=max_rows, select=select,
+            scores=scores, warm=warm,
+        )  # fmt: skip
         self.stage = self.engine.stage
         spies.watch(self.stage)
 

@@ -28,7 +28,7 @@ CHECK_ENV, SEED_ENV = (
 )
 VALID_KEYS = (
     "decode_backend, specialized_decode_skip, specialized_decode_self_check, "
-    "kpool_select"
+    "kpool_select, kpool_scores"
 )
 GPU = "an NVIDIA SM90 (Hopper) or SM100-family (Blackwell) GPU"
 
@@ -115,6 +115,7 @@ def ignored(names: str) -> str:
     "extra, environ, names",
     [
         ({"kpool_select": True}, {}, "kpool_select"),
+        ({"kpool_scores": False}, {}, "kpool_scores"),
         (
             {"decode_backend": "auto", "specialized_decode_skip": []},
             {},
@@ -124,6 +125,11 @@ def ignored(names: str) -> str:
             {"kpool_select": False, "specialized_decode_self_check": "off"},
             {},
             "specialized_decode_self_check, kpool_select",
+        ),
+        (
+            {"kpool_scores": True, "kpool_select": "one_wave"},
+            {},
+            "kpool_select, kpool_scores",
         ),
         ({}, {CHECK_ENV: "strict"}, CHECK_ENV),
         (
@@ -232,6 +238,23 @@ BAD = [
         'additional_config kpool_select=None: expected true, false or "one_wave"',
         id="select-none",
     ),
+    *(
+        pytest.param(
+            {"kpool_scores": value},
+            {},
+            f"additional_config kpool_scores={value!r}: expected true or false",
+            id=f"scores-{name}",
+        )
+        for name, value in [
+            ("yes", "yes"),
+            ("str-true", "true"),
+            ("one-wave", "one_wave"),
+            ("int", 1),
+            ("zero", 0),
+            ("none", None),
+            ("list", [True]),
+        ]
+    ),
 ]
 
 
@@ -255,12 +278,13 @@ def test_bad_values_first_whatever_the_backend(
 def test_settings_are_checked_in_order(gpu, make_config, monkeypatch):
     """With every setting bad, the errors come in the order of the settings:
     the backend, the skipped stages, the self-check (the environment's over
-    the config's), its seed, the select."""
+    the config's), its seed, the select, the scores."""
     extra = {
         "decode_backend": "fast",
         "specialized_decode_skip": "all",
         "specialized_decode_self_check": "loud",
         "kpool_select": "yes",
+        "kpool_scores": "yes",
     }
     monkeypatch.setenv(CHECK_ENV, "yes")
     monkeypatch.setenv(SEED_ENV, "abc")
@@ -272,6 +296,7 @@ def test_settings_are_checked_in_order(gpu, make_config, monkeypatch):
         ("specialized_decode_self_check", "on"),
         (SEED_ENV, None),
         ("kpool_select", True),
+        ("kpool_scores", True),
     ):
         with pytest.raises(ValueError) as error:
             read(make_config, extra)
@@ -287,8 +312,10 @@ def test_settings_are_checked_in_order(gpu, make_config, monkeypatch):
         "additional_config specialized_decode_self_check",
         f"environment {SEED_ENV}",
         "additional_config kpool_select",
+        "additional_config kpool_scores",
     ]
-    assert read(make_config, extra).select is True
+    config = read(make_config, extra)
+    assert config.select is True and config.scores is True
 
 
 # --- Each setting's good values ------------------------------------------------
@@ -360,6 +387,16 @@ def test_select_is_opt_in(gpu, make_config, value, select, one_wave):
     assert (config.select, config.select_one_wave) == (select, one_wave)
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_scores_is_opt_in(gpu, make_config, value):
+    """``kpool_scores`` (default false) turns on the stage's decode scores,
+    apart from the select."""
+    assert read(make_config, ON).scores is False
+    config = read(make_config, {**ON, "kpool_scores": value})
+    assert config.scores is value and config.select is False
+    assert config.given == ("decode_backend", "kpool_scores")
+
+
 def test_left_out_stage_needs_nothing(gpu, make_config):
     gpu(None)
     config = read(make_config, {**ON, "specialized_decode_skip": ["dsa_kpool"]})
@@ -381,6 +418,10 @@ def test_left_out_stage_needs_nothing(gpu, make_config):
         ("specialized_decode_selfcheck", "specialized_decode_self_check"),
         ("decode", "decode_backend"),
         ("kpool-select", "kpool_select"),
+        ("kpool_score", "kpool_scores"),
+        ("scores_kpool", "kpool_scores"),
+        ("kpool-scores", "kpool_scores"),
+        ("KPOOL_SCORES", "kpool_scores"),
         ("self_check", "specialized_decode_self_check"),
         ("self-check", "specialized_decode_self_check"),
         ("selfcheck", "specialized_decode_self_check"),

@@ -151,7 +151,7 @@ def test_install_outside_a_runner(installed, make_config):
     # The storage-only tail caches' metadata does not describe the step.
     tails = {f"model.layers.{i}.self_attn.indexer.tail_cache" for i in range(2)}
     assert stage.steps.ignored == tails
-    assert not stage.mx_scales and not stage.select
+    assert not stage.mx_scales and not stage.select and not stage.scores
     assert installed() == [
         ("info", installed_line(256, "SparseMLACommonImpl", [FUSED, FUSED]))
     ]
@@ -182,6 +182,53 @@ def test_install_with_the_select_logs_it(installed, make_config, monkeypatch,
     assert built.select_one_wave is (value == "one_wave")
     [(_, line)] = installed()
     assert line.endswith(f"{UPCAST}select (opt-in, {rows}), fused expand + remap.")
+
+
+SCORED = (
+    "update (FP32 scales), scores (opt-in) or DeepGEMM scores, no upcast (FP32 "
+    "logits, stock returns them), "
+)
+
+
+@pytest.mark.parametrize(
+    "extra, scores, tail",
+    [
+        ({}, False, f"{UPCAST}fused expand + remap."),
+        ({"kpool_scores": False}, False, f"{UPCAST}fused expand + remap."),
+        ({"kpool_scores": True}, True, f"{SCORED}fused expand + remap."),
+        (
+            {"kpool_scores": True, "kpool_select": True},
+            True,
+            f"{SCORED}select (opt-in, every batch), fused expand + remap.",
+        ),
+    ],
+)
+def test_install_with_the_scores_logs_it(installed, make_config, monkeypatch,
+                                         extra, scores, tail):  # fmt: skip
+    """``kpool_scores`` reaches the stage with the deployment's next_n (1 +
+    its 3 speculative tokens), and its start-up line names the scores,
+    DeepGEMM's where the kernel does not take a call."""
+    from vllm.models.glm5next.nvidia.specialized_decode.runtime import stage
+
+    monkeypatch.setattr(stage, "sm_count", lambda index: 132)
+    config = make_config(additional_config={**ON, **extra})
+    built = install.install(config, attentions(1))
+    assert built.scores is scores and built.next_n == 4
+    [(_, line)] = installed()
+    assert line.endswith(f"DSA layers: model.layers.0.self_attn: {tail}"), line
+
+
+def test_install_with_the_scores_on_mx_scales(installed, make_config, mx_scales):
+    """With MX scales the kernel takes no call: the line says DeepGEMM's."""
+    mx_scales(True)
+    config = make_config(additional_config={**ON, "kpool_scores": True})
+    built = install.install(config, attentions(1))
+    assert built.scores and built.mx_scales
+    [(_, line)] = installed()
+    assert line.endswith(
+        "DSA layers: model.layers.0.self_attn: update (MX scales), DeepGEMM "
+        "scores (MX scales), upcast, fused expand + remap."
+    ), line
 
 
 @pytest.mark.parametrize(

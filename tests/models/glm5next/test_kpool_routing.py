@@ -35,6 +35,7 @@ from indexer_sim import (
 )
 
 from vllm.config import CUDAGraphMode
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common.host import STOCK
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand.launch import (
     ExpandKernel,
 )
@@ -241,6 +242,88 @@ def test_select_only_in_deferring_steps(bench, step):
     assert_same(b.stock(), got, b.fwd)
 
 
+# --- The opt-in scores ------------------------------------------------------
+
+
+# DeepGEMM's positional arguments the scores take by name, in its order.
+NAMES = ("q", "kv_cache", "weights", "seq_lens", "block_table")
+
+
+class Scores:
+    """The stage's scores and DeepGEMM's stand-in (``paged_logits``), each
+    call's arguments recorded; ``serve`` answers ``answer``: DeepGEMM's
+    logits (the kernel took the call) or ``STOCK``."""
+
+    def __init__(self, monkeypatch, stage, answer):
+        self.served, self.stock = [], []
+
+        def serve(**arguments):
+            self.served.append(arguments)
+            if answer is STOCK:
+                return STOCK
+            rest = dict(arguments)
+            return paged_logits(*[rest.pop(n) for n in NAMES], **rest)
+
+        def deep_gemm(*args, **kwargs):
+            self.stock.append((args, kwargs))
+            return paged_logits(*args, **kwargs)
+
+        monkeypatch.setattr(stage.kernels.scores, "serve", serve)
+        monkeypatch.setattr(stage_module, "fp8_fp4_paged_mqa_logits", deep_gemm)
+
+
+def equal(a, b) -> bool:
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(map(equal, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+def stock_arguments(args, kwargs) -> dict:
+    """DeepGEMM's call as the scores' keyword arguments (no schedule)."""
+    return dict(zip(NAMES, args[:5], strict=True)) | kwargs
+
+
+@pytest.mark.parametrize("answer", ["logits", STOCK], ids=["served", "stock"])
+@pytest.mark.parametrize("step", TOKEN_ROWS[:3])
+def test_scores_opted_in(monkeypatch, bench, step, answer):
+    """``kpool_scores``: the step's scores go to the stage's kernel with the
+    stock call's arguments (DeepGEMM's but the schedule metadata), and
+    DeepGEMM runs only where the kernel answers ``STOCK``, with the same
+    arguments as with the setting off; the step is stock's either way."""
+    off = bench(step)
+    calls = Scores(monkeypatch, off.stage, STOCK)
+    off.run()
+    [(args, kwargs)] = calls.stock
+    assert calls.served == [] and sorted(kwargs) == ["indices", "max_model_len"]
+    b = bench(step, scores=True)
+    on = Scores(monkeypatch, b.stage, answer)
+    got = b.run()
+    [served] = on.served
+    want = stock_arguments(args, kwargs)
+    assert served.keys() == want.keys()
+    assert all(equal(served[n], want[n]) for n in want), "not the stock call's"
+    if answer is STOCK:
+        [(args_on, kwargs_on)] = on.stock
+        assert stock_arguments(args_on, kwargs_on) == served  # the same objects
+        assert len(args_on) == 6  # and the step's schedule metadata
+    else:
+        assert on.stock == []
+    assert_same(b.stock(), got, b.fwd)
+
+
+def test_scores_not_taken_run_deepgemm(bench):
+    """The simulator's 4-head queries and 16-pool pages are no key the
+    warmup lists and the kernel's rule refuses: DeepGEMM's scores, stock's
+    bytes."""
+    b = bench(Step([2, 2], [157, 210], seed=47), scores=True)
+    assert not b.spies.compiled["scores"]
+    got = b.run()
+    assert b.routes == DEFERRED and not b.spies.launched["scores"]
+    assert_same(b.stock(), got, b.fwd)
+
+
 # --- The fused remap and its declines -----------------------------------------
 
 
@@ -434,6 +517,7 @@ def expected_keys(b, *, mx=False, round_scale=True, stride=64) -> dict:
         # SM90's logits are FP32: no upcast variant.
         upcast={UpcastKernel.CompileKey()} if mx else set(),
         select=set(),  # opt-in
+        scores=set(),  # opt-in
     )
 
 

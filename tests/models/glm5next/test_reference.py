@@ -92,6 +92,7 @@ BAD = [
     ({**ON}, {CHECK_ENV: "yes"}),
     ({**ON}, {SEED_ENV: "0x1f"}),
     ({**ON, "kpool_select": "true"}, {}),
+    ({**ON, "kpool_scores": "true"}, {}),
 ]
 
 

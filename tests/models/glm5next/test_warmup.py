@@ -23,6 +23,9 @@ from indexer_sim import KERNELS, Step, assert_same, kernel_name
 from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 from vllm.models.glm5next.nvidia.specialized_decode import self_check
 from vllm.models.glm5next.nvidia.specialized_decode.config import SELF_CHECK_SEED_ENV
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch import (
+    SCORES,
+)
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
     SELECT,
 )
@@ -199,7 +202,7 @@ def test_select_keys_are_each_row_count_it_runs(width, max_rows, one_wave):
     1-16 at 262144, on 132 SMs."""
     stage = SimpleNamespace(
         mx_scales=False, select=True, fuse=True, max_rows=max_rows, sms=132,
-        select_one_wave=one_wave,
+        select_one_wave=one_wave, scores=False,
     )  # fmt: skip
     values = dict(
         (kernel, v)
@@ -215,12 +218,15 @@ def test_select_keys_are_each_row_count_it_runs(width, max_rows, one_wave):
     assert set(keys) == select_keys(min(max_rows, wave), width)
 
 
-def _layer(width: int):
+def _layer(width: int, page: int = 16, heads: int = 16):
     """A DSA layer as ``deployment_values`` reads it (2048-token top-k,
-    ``width`` pools of logits), its MLA cache unbound."""
+    ``width`` pools of logits, ``page``-pool cache pages, ``heads`` index
+    heads), its MLA cache unbound."""
     tail = torch.zeros((5, 2, 8, 128), dtype=torch.bfloat16)
+    kv = torch.zeros((9, page, 132), dtype=torch.uint8)
     indexer = SimpleNamespace(
-        k_cache=SimpleNamespace(kv_cache=torch.zeros((9, 16, 132), dtype=torch.uint8)),
+        k_cache=SimpleNamespace(kv_cache=kv),
+        n_head=heads,
         tail_cache=SimpleNamespace(kv_cache=tail),
         topk_tokens=2048,
         topk_indices_buffer=torch.zeros((4, 2176), dtype=torch.int32),
@@ -235,9 +241,62 @@ def _layer(width: int):
 def test_no_select_keys_unless_opted_in_and_fused(select, fuse):
     """The select runs only in deferring steps of an opted-in stage: no key
     otherwise."""
-    stage = SimpleNamespace(mx_scales=True, select=select, fuse=fuse, max_rows=8)
+    stage = SimpleNamespace(
+        mx_scales=True, select=select, fuse=fuse, max_rows=8, scores=False
+    )
     kernels = [k for k, _ in warmup.deployment_values(stage, [_layer(65536)])]
     assert SELECT not in kernels and KERNELS["upcast"] in kernels
+
+
+def scores_keys(stage, layer) -> list:
+    return [
+        key
+        for kernel, values in warmup.deployment_values(stage, [layer])
+        if kernel is SCORES
+        for key in kernel.get_warmup_keys(**values)
+    ]
+
+
+@pytest.mark.parametrize(
+    "heads, padded", [(16, 32), (32, 32), (64, 64)], ids=["16", "32", "64"]
+)
+@pytest.mark.parametrize("spec, next_n", [(0, [1]), (1, [1, 2]), (3, [1, 2, 3, 4])])
+def test_scores_keys_are_each_next_n_it_runs(heads, padded, spec, next_n):
+    """``kpool_scores``: a key for the heads DeepGEMM gets (16 zero-padded
+    to 32), each next_n from 1 to 1 + the speculative tokens, the page."""
+    stage = SimpleNamespace(
+        mx_scales=False, select=False, fuse=True, max_rows=8, scores=True,
+        next_n=1 + spec,
+    )  # fmt: skip
+    keys = scores_keys(stage, _layer(65536, page=64, heads=heads))
+    assert sorted(keys, key=repr) == [SCORES.CompileKey(padded, n, 64) for n in next_n]
+
+
+def test_scores_keys_stop_at_what_the_kernels_take(monkeypatch):
+    """No next_n past ``NEXT_N`` (a stage of 6), none DeepGEMM does not take
+    (SM90's 3: the indexer flattens those steps), no key of a page or a
+    head count the kernel does not take: those steps run DeepGEMM."""
+    stage = SimpleNamespace(
+        mx_scales=False, select=False, fuse=True, max_rows=8, scores=True, next_n=6
+    )
+    keys = scores_keys(stage, _layer(65536, page=32))
+    assert [key.next_n for key in keys] == [1, 2, 3, 4]
+    monkeypatch.setattr(warmup, "native_next_n_supported", lambda n: n in (1, 2, 4))
+    assert [key.next_n for key in scores_keys(stage, _layer(65536, page=32))] == [
+        1, 2, 4,
+    ]  # fmt: skip
+    assert scores_keys(stage, _layer(65536, page=16)) == []
+    assert scores_keys(stage, _layer(65536, page=64, heads=128)) == []
+
+
+@pytest.mark.parametrize("mx, scores", [(True, True), (False, False)])
+def test_no_scores_keys_with_mx_scales_or_off(mx, scores):
+    """The scores take FP32 scales (SM90): no key with MX scales, nor unless
+    opted in."""
+    stage = SimpleNamespace(
+        mx_scales=mx, select=False, fuse=True, max_rows=8, scores=scores, next_n=4
+    )
+    assert scores_keys(stage, _layer(65536, page=64)) == []
 
 
 def free_port() -> int:

@@ -32,6 +32,7 @@ from rule_layouts import LAYOUTS, contiguous, like, span
 
 import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand.launch as expand
 import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.remap.launch as remap
+import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch as scores
 import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch as select
 import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.upcast.launch as upcast
 import vllm.models.glm5next.nvidia.specialized_decode.cutedsl.update.launch as update
@@ -43,9 +44,10 @@ from vllm.models.glm5next.nvidia.specialized_decode.constants import (
 )
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common import host
 
-LAUNCH_MODULES = (update, expand, remap, upcast, select)
+LAUNCH_MODULES = (update, expand, remap, upcast, select, scores)
 F64 = torch.float64
-# The SMs the select's key is derived for on the CPU (an H100's, an H200's).
+# The SMs the select's key and the scores' split are derived for on the CPU
+# (an H100's, an H200's).
 SMS = 132
 
 
@@ -71,17 +73,20 @@ def cpu_devices(names, *tensors, optional=()) -> None:
 
 @contextlib.contextmanager
 def allow_cpu():
-    """The rules with ``cpu_devices`` (and the select's SM count) in place."""
+    """The rules with ``cpu_devices`` (and the select's and the scores' SM
+    counts) in place."""
     with pytest.MonkeyPatch.context() as patch:
         for module in (host, *LAUNCH_MODULES):
             patch.setattr(module, "check_devices", cpu_devices)
-        patch.setattr(select, "sm_count", lambda index: SMS)
+        for module in (select, scores):
+            patch.setattr(module, "sm_count", lambda index: SMS)
         yield
 
 
 # A GLM-5-Next deployment's keys: an 8-token tail ring, 64-token pages, the
 # indexer's int32 positions and int64 slots; 512 pools in 2176 columns,
-# 64-token MLA blocks; a 4096-pool select of k 512.
+# 64-token MLA blocks; a 4096-pool select of k 512; the scores of 16 heads
+# padded to 32, one draft token, 64-pool pages.
 # fmt: off
 KEYS = {
     update.UPDATE: dict(
@@ -96,11 +101,12 @@ KEYS = {
     ),
     upcast.UPCAST: {},
     select.SELECT: dict(k=512, dtype=torch.float32, rows=4, width=4096, sms=SMS),
+    scores.SCORES: dict(heads=32, next_n=2, block=64),
 }
 # The seed of each kernel's base case: a few rows (the remap's: 8, 2 expanded;
-# the select's: 23 of 4096 columns).
+# the select's: 23 of 4096 columns; the scores': 3 entries of up to 1270 pools).
 SEEDS = {update.UPDATE: 7, expand.EXPAND: 4, remap.REMAP: 8, upcast.UPCAST: 5,
-         select.SELECT: 17}
+         select.SELECT: 17, scores.SCORES: 4}
 # fmt: on
 @functools.cache
 def base_case(kernel) -> cases.Case:

@@ -144,6 +144,7 @@ def test_scores_rule_takes_the_stock_shapes(on_cuda):
         ("out", lambda a: a.update(out=torch.empty(2, 255))),
         ("out", lambda a: a.update(out=torch.empty(2, 256, dtype=torch.bfloat16))),
         ("out", lambda a: a.update(out=torch.empty(256, 2).t())),
+        ("indices", lambda a: a.update(indices=torch.zeros(2, dtype=I32))),
     ],
 )
 def test_scores_rule_refuses_by_name(on_cuda, argument, change):

@@ -6,7 +6,8 @@ buffers each case lists as written are compared, byte for byte, with its
 stock twin's; the first mismatch comes back as "kernel case N (seed S):
 what" (the stage's warmup then keeps the stage off).
 
-CPU: executor doubles over the real cases (the stock expansion itself; the
+CPU (DeepGEMM's scores the step simulator's stand-in, ``cpu_deep_gemm``):
+executor doubles over the real cases (the stock expansion itself; the
 case's expected bytes copied, with one byte of one buffer changed in one
 case, or with its zeros left out; one that writes nothing), for every
 kernel and every buffer it writes; the printed seed draws the failing
@@ -16,6 +17,7 @@ start as random bytes. GPU: the kernels of a GLM-5-Next deployment's keys
 pass on this GPU, within the start-up budget, and a corrupted one is
 caught with its seed."""
 
+import contextlib
 import copy
 import functools
 import random
@@ -23,12 +25,14 @@ import re
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import draws
 import pytest
 import torch
 from rule_edges import KEYS, SEEDS, SMS, allow_cpu
 
+from vllm.model_executor.warmup.jit_warmup import WarmupChoices
 from vllm.models.glm5next.nvidia.ops import kpool_compress
 from vllm.models.glm5next.nvidia.ops.kpool_compress import (
     expand_pools_and_append_tail,
@@ -40,6 +44,9 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.expand.launch import
 )
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.remap.launch import (
     REMAP,
+)
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch import (
+    SCORES,
 )
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.kernel import (
     CAPACITIES,
@@ -117,15 +124,38 @@ def reusing(draw, fresh=lambda: False):
     return drawn
 
 
+def cpu_deep_gemm(arguments: dict) -> torch.Tensor:
+    """DeepGEMM's scores of a scores case on the CPU: the step simulator's
+    stand-in (``indexer_sim.paged_logits``)."""
+    from indexer_sim import paged_logits
+
+    a = arguments
+    return paged_logits(
+        a["q"], a["kv_cache"], a["weights"], a["seq_lens"], a["block_table"],
+        max_model_len=a["max_model_len"],
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def stock_on_cpu():
+    """Stock's update writes the scales of ``KEYS[UPDATE]`` (as a process
+    whose stage has them) and DeepGEMM's scores are ``cpu_deep_gemm``."""
+    with (
+        mock.patch.object(cases, "deep_gemm_scores", cpu_deep_gemm),
+        draws.stock_scales(KEYS[UPDATE]["mx_scales"]),
+    ):
+        yield
+
+
 @pytest.fixture
 def on_cpu(monkeypatch):
-    """The rules take CPU tensors, the SMs are ``SMS``, and stock's update
-    writes the scales of ``KEYS[UPDATE]`` (as a process whose stage has
-    them); the self-check reuses the cases drawn before (``DRAWN``)."""
+    """The rules take CPU tensors, the SMs are ``SMS``, stock is
+    ``stock_on_cpu``'s; the self-check reuses the cases drawn before
+    (``DRAWN``)."""
     monkeypatch.setattr(self_check, "sm_count", lambda index: SMS)
     reused = {kernel: reusing(draw) for kernel, draw in cases.CASES.items()}
     monkeypatch.setattr(self_check, "DRAWS", reused)
-    with allow_cpu(), draws.stock_scales(KEYS[UPDATE]["mx_scales"]):
+    with allow_cpu(), stock_on_cpu():
         yield
 
 
@@ -177,7 +207,10 @@ class Drawn:
 
 def snapshot(value):
     """A tensor as (dtype, shape, strides, offset, its whole storage's
-    bytes); any other value as it is."""
+    bytes), a tuple (the scores' query) as a list of its items' snapshots;
+    any other value as it is."""
+    if isinstance(value, tuple):
+        return [snapshot(item) for item in value]
     if not isinstance(value, torch.Tensor):
         return value
     storage = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
@@ -186,6 +219,8 @@ def snapshot(value):
 
 
 def same(a, b) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(same, a, b))
     if isinstance(a, tuple):
         return a[:4] == b[:4] and torch.equal(a[4], b[4])
     return a == b
@@ -208,7 +243,7 @@ def corrupt_last_byte(number, case):
 # (kernel, buffer): every buffer of every kernel; the update writes its
 # cache and its tail ring, the remap its output and its counts.
 BUFFERS = [(UPDATE, 0), (UPDATE, 1), (EXPAND, 0), (REMAP, 0), (REMAP, 1)]
-BUFFERS += [(UPCAST, 0), (SELECT, 0)]
+BUFFERS += [(UPCAST, 0), (SELECT, 0), (SCORES, 0)]
 
 
 @pytest.mark.parametrize(
@@ -247,6 +282,7 @@ def test_one_case_of_all_is_caught(drawn, at):
 
 
 REPLAYS = [(SELECT, 41), (EXPAND, 2), (UPDATE, 1), (REMAP, 1), (UPCAST, 6)]
+REPLAYS += [(SCORES, 2)]
 
 
 @pytest.mark.parametrize(
@@ -304,7 +340,7 @@ def zeros_over_other_bytes(case, before) -> int:
 
 
 @pytest.mark.parametrize(
-    "kernel", [UPDATE, EXPAND, REMAP, SELECT], ids=lambda k: type(k).__name__
+    "kernel", [UPDATE, EXPAND, REMAP, SELECT, SCORES], ids=lambda k: type(k).__name__
 )
 def test_a_kernel_that_skips_writing_zeros_is_caught(drawn, kernel):
     """An executor that writes stock's bytes but leaves out the values
@@ -324,7 +360,7 @@ def test_a_kernel_that_skips_writing_zeros_is_caught(drawn, kernel):
 
 
 @pytest.mark.parametrize(
-    "kernel", [UPDATE, EXPAND, REMAP, SELECT], ids=lambda k: type(k).__name__
+    "kernel", [UPDATE, EXPAND, REMAP, SELECT, SCORES], ids=lambda k: type(k).__name__
 )
 def test_each_written_buffer_has_expected_bytes_of_its_own(kernel):
     """In each kernel's base case every buffer the case lists as written has
@@ -334,7 +370,7 @@ def test_each_written_buffer_has_expected_bytes_of_its_own(kernel):
     extra = {"sms": SMS} if kernel is SELECT else {}
     seed, key = SEEDS[kernel], kernel.dispatch(**KEYS[kernel])
     gen = torch.Generator().manual_seed(seed)
-    with draws.stock_scales(KEYS[UPDATE]["mx_scales"]):
+    with stock_on_cpu():
         case = cases.CASES[kernel](random.Random(seed), gen, key, **extra)
     assert len(case.written) == len(case.expected)
     for got, want in zip(case.written, case.expected, strict=True):
@@ -354,7 +390,7 @@ def stock_twin(key):
 
 
 @pytest.mark.parametrize(
-    "kernel", [UPDATE, EXPAND, REMAP, SELECT], ids=lambda k: type(k).__name__
+    "kernel", [UPDATE, EXPAND, REMAP, SELECT, SCORES], ids=lambda k: type(k).__name__
 )
 def test_stock_twins_on_the_launch_arguments_pass(on_cpu, kernel):
     """Each case's expected bytes are what the stock twin writes when it is
@@ -437,7 +473,7 @@ def test_cases_of_another_key_are_reported_not_launched(drawn):
 
 
 @pytest.mark.parametrize(
-    "kernel", [UPDATE, EXPAND, REMAP, SELECT], ids=lambda k: type(k).__name__
+    "kernel", [UPDATE, EXPAND, REMAP, SELECT, SCORES], ids=lambda k: type(k).__name__
 )
 def test_an_executor_that_writes_nothing_is_caught(on_cpu, kernel):
     """Every kernel's cases compare what it writes: an executor that
@@ -465,7 +501,9 @@ def deployment_keys(sms: int) -> list:
     """(kernel, key) of a GLM-5-Next deployment's variants: the update of an
     8-token ring and 64-token pages (both scale formats), the decode
     expansion, the fused remap with and without counts, the upcast, the
-    select of 1-64 rows of 65536 pools (FP32 and BF16 logits)."""
+    select of 1-64 rows of 65536 pools (FP32 and BF16 logits), the scores of
+    16 heads padded to 32 at each next_n DeepGEMM's SM90 kernel takes, of
+    64-pool pages."""
     update = KEYS[UPDATE]
     keys = [
         (UPDATE, UPDATE.dispatch(**update | dict(mx_scales=mx))) for mx in (True, False)
@@ -477,6 +515,8 @@ def deployment_keys(sms: int) -> list:
     for dtype in (torch.float32, torch.bfloat16):
         values = dict(max_rows=64, k=512, dtype=dtype, width=65536, sms=sms)
         keys += [(SELECT, key) for key in SELECT.get_warmup_keys(**values)]
+    values = dict(heads=32, next_n=WarmupChoices(1, 2, 4), block=64)
+    keys += [(SCORES, key) for key in SCORES.get_warmup_keys(**values)]
     return keys
 
 

@@ -17,6 +17,10 @@ import torch
 
 from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits
 from vllm.models.glm5next.nvidia.ops import kpool_compress
+from vllm.utils.deep_gemm import (
+    fp8_fp4_paged_mqa_logits,
+    get_paged_mqa_logits_metadata,
+)
 from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
@@ -24,6 +28,7 @@ from vllm.v1.attention.backends.mla.sparse_utils import (
 from .constants import DIM, INT32_MAX, POOL
 from .cutedsl.expand.launch import EXPAND
 from .cutedsl.remap.launch import REMAP
+from .cutedsl.scores.launch import SCORES, row_stride, sm_count
 from .cutedsl.select.kernel import CAPACITIES, VECTOR
 from .cutedsl.select.launch import SELECT, cluster_for, slice_capacity
 from .cutedsl.upcast.kernel import GROUP_ROWS, TILE
@@ -460,5 +465,91 @@ def select_rows_case(rng, gen: torch.Generator, key, rows: int, width: int) -> C
     return Case(arguments, (out,), (want,))
 
 
+# --- paged scores ---------------------------------------------------------------
+
+
+def deep_gemm_scores(arguments: dict) -> torch.Tensor:
+    """The stock call of a scores case's ``arguments``: DeepGEMM's
+    ``fp8_fp4_paged_mqa_logits`` with its schedule metadata for this GPU
+    (the CPU tests put a stand-in here)."""
+    seq_lens, kv_cache = arguments["seq_lens"], arguments["kv_cache"]
+    sms = sm_count(seq_lens.get_device())
+    metadata = get_paged_mqa_logits_metadata(seq_lens, kv_cache.shape[1], sms)
+    return fp8_fp4_paged_mqa_logits(
+        arguments["q"], kv_cache, arguments["weights"], seq_lens,
+        arguments["block_table"], metadata, max_model_len=arguments["max_model_len"],
+    )  # fmt: skip
+
+
+def _fp8(shape, gen) -> torch.Tensor:
+    """Finite FP8 e4m3 values of both signs (bytes 0-119, a random sign)."""
+    g = dict(generator=gen, device=gen.device)
+    magnitude = torch.randint(0, 120, shape, **g, dtype=torch.uint8)
+    sign = torch.randint(0, 2, shape, **g, dtype=torch.uint8) << 7
+    return (magnitude | sign).view(torch.float8_e4m3fn)
+
+
+def _paged_cache(contexts: list[int], block: int, width: int, rng, gen):
+    """A paged index cache ``[blocks, block, 1, 132]`` (each page: ``block``
+    FP8 rows, then their FP32 scales, some 0) holding ``contexts`` pools,
+    and a block table of ``width`` pools' pages or more (vLLM's covers
+    ``max_model_len``): each entry's pages in a random order, then other ids
+    of the cache."""
+    g = dict(generator=gen, device=gen.device)
+    pages = [-(-n // block) for n in contexts]
+    blocks = sum(pages) + rng.randint(1, 7)
+    cache = _fp8((blocks, block * (DIM + 4)), gen).view(torch.uint8)
+    scales = torch.rand(blocks, block, **g) * rng.choice([1e-4, 1e-2, 1.0])
+    scales[torch.rand(blocks, block, **g) < 0.05] = 0
+    cache[:, block * DIM :] = scales.view(torch.uint8).view(blocks, -1)
+    columns = -(-width // block) + rng.randint(0, 4)
+    table = torch.randint(0, blocks, (len(contexts), columns), **g).to(torch.int32)
+    order = torch.randperm(blocks, **g).to(torch.int32)
+    taken = 0
+    for entry, count in enumerate(pages):
+        table[entry, :count] = order[taken : taken + count]
+        taken += count
+    return cache.view(blocks, block, 1, DIM + 4), table
+
+
+def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
+    """A decode step in ``key``'s layout: 1-16 entries of FP8 queries and
+    FP32 weights (the upper half of the heads zero, as vLLM pads them, in
+    some), contexts of 1 to 6000 pools whose next_n rows end one pool apart,
+    ``max_model_len`` a bit above the longest, ``out`` on DeepGEMM's row
+    stride. Stock's bytes below each entry's context, the rest untouched."""
+    g = dict(generator=gen, device=gen.device)
+    entries = rng.choice([1, 2, 3, 8, 16, rng.randint(1, 16)])
+    # Never 0: DeepGEMM's SM90 kernel scores some pages of the entry after a
+    # context-0 one with that entry's query and weights (its stock twin is
+    # wrong there; ours is not).
+    limits = [70, 600, 4000, 6000]
+    contexts = [rng.randint(1, rng.choice(limits)) for _ in range(entries)]
+    next_n, heads = key.next_n, key.heads
+    width = max(contexts) + rng.randint(0, 300)
+    kv_cache, table = _paged_cache(contexts, key.block, width, rng, gen)
+    q = _fp8((entries, next_n, heads, DIM), gen)
+    weights = torch.randn(entries * next_n, heads, **g) * heads**-0.5
+    if rng.random() < 0.3:
+        q[:, :, heads // 2 :] = 0
+        weights[:, heads // 2 :] = 0
+    last = torch.tensor(contexts, dtype=torch.int32, device=gen.device)
+    ahead = torch.arange(next_n - 1, -1, -1, dtype=torch.int32, device=gen.device)
+    seq_lens = (last[:, None] - ahead).clamp(min=0).contiguous()
+    arguments = dict(
+        q=(q, None), kv_cache=kv_cache, weights=weights, seq_lens=seq_lens,
+        block_table=table, max_model_len=width,
+    )  # fmt: skip
+    stock = deep_gemm_scores(arguments).view(torch.int32)
+    out = poisoned((entries * next_n, row_stride(width)), torch.float32, gen)
+    want = out.clone()
+    ends = last.clamp(max=width).repeat_interleave(next_n)
+    below = torch.arange(width, device=gen.device)[None, :] < ends[:, None]
+    kept = want.view(torch.int32)[:, :width]
+    kept.copy_(torch.where(below, stock, kept))
+    arguments["out"] = out[:, :width]
+    return Case(arguments, (out,), (want,))
+
+
 CASES = {UPDATE: update_case, EXPAND: expand_case, REMAP: remap_case}
-CASES |= {UPCAST: upcast_case, SELECT: select_case}
+CASES |= {UPCAST: upcast_case, SELECT: select_case, SCORES: scores_case}

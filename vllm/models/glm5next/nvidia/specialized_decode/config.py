@@ -38,7 +38,8 @@ SELF_CHECK_MODES = ("on", "off", "strict")
 SELECT_KEY = "kpool_select"
 # kpool_select's values: off, every batch size, one wave of clusters.
 SELECT_VALUES = (False, True, "one_wave")
-CONFIG_KEYS = (BACKEND_KEY, SKIP_KEY, SELF_CHECK_KEY, SELECT_KEY)
+SCORES_KEY = "kpool_scores"
+CONFIG_KEYS = (BACKEND_KEY, SKIP_KEY, SELF_CHECK_KEY, SELECT_KEY, SCORES_KEY)
 ENV_VARS = (SELF_CHECK_ENV, SELF_CHECK_SEED_ENV)
 
 
@@ -54,6 +55,9 @@ class DecodeConfig:
     # at every batch size or (select_one_wave) where one wave holds its rows.
     select: bool = False
     select_one_wave: bool = False
+    # The opt-in decode scores in place of DeepGEMM's (SM90, FP32 scales;
+    # stock's bytes but where docs/reference.md says).
+    scores: bool = False
     # The settings given (config keys and environment variables), by name.
     given: tuple[str, ...] = ()
 
@@ -87,6 +91,10 @@ def read_settings(extra: dict, environ) -> DecodeConfig:
         select is v if isinstance(v, bool) else select == v for v in SELECT_VALUES
     ):
         raise _bad(SELECT_KEY, select, 'true, false or "one_wave"')
+    # A bool only: 1 or "true" would pass a truth test.
+    scores = extra.get(SCORES_KEY, False)
+    if not isinstance(scores, bool):
+        raise _bad(SCORES_KEY, scores, "true or false")
     if len(set(modes.values())) > 1 and backend == BACKEND:
         logger.warning(
             "GLM-5-Next specialized decode: the self-check is %r from "
@@ -100,6 +108,7 @@ def read_settings(extra: dict, environ) -> DecodeConfig:
         self_check_seed=seed,
         select=select is not False,
         select_one_wave=select == "one_wave",
+        scores=scores,
         given=given,
     )
 
@@ -294,8 +303,14 @@ def decode_capacity(vllm_config) -> int:
     """Decode rows of one step: max_num_seqs x (1 + speculative tokens), at
     most max_num_batched_tokens (as the sparse MLA index groups are sized)."""
     scheduler = vllm_config.scheduler_config
-    spec = vllm_config.speculative_config
-    num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
     return min(
-        scheduler.max_num_batched_tokens, scheduler.max_num_seqs * (1 + num_spec)
+        scheduler.max_num_batched_tokens,
+        scheduler.max_num_seqs * decode_next_n(vllm_config),
     )
+
+
+def decode_next_n(vllm_config) -> int:
+    """The most query rows a decode request has in one step (its ``next_n``):
+    1 + the speculative tokens."""
+    spec = vllm_config.speculative_config
+    return 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)

@@ -7,7 +7,7 @@ import weakref
 
 from vllm.logger import init_logger
 
-from ..config import STAGE, decode_capacity, specialized_decode_config
+from ..config import STAGE, decode_capacity, decode_next_n, specialized_decode_config
 
 logger = init_logger(__name__)
 
@@ -72,6 +72,7 @@ def install(vllm_config, attentions):
     stage = KpoolStage(
         attentions, max_rows, buffer.device, mx_scales=mqa_logits_use_mx_scales(),
         select=config.select, select_one_wave=config.select_one_wave,
+        scores=config.scores, next_n=decode_next_n(vllm_config),
         self_check=config.self_check, seed=config.self_check_seed,
     )  # fmt: skip
     registry().add(stage, buffer)

@@ -23,6 +23,7 @@ from ..constants import MAX_GROUPS, POOL
 from ..cutedsl.common.host import STOCK, Refused
 from ..cutedsl.expand.launch import ExpandKernel
 from ..cutedsl.remap.launch import RemapKernel, check_shape
+from ..cutedsl.scores.launch import ScoresKernel
 from ..cutedsl.select.launch import SelectKernel, one_wave, sm_count
 from ..cutedsl.upcast.launch import UpcastKernel
 from ..cutedsl.update.launch import UpdateKernel
@@ -39,6 +40,7 @@ class StageKernels(NamedTuple):
     remap: RemapKernel
     upcast: UpcastKernel
     select: SelectKernel
+    scores: ScoresKernel
 
 
 class LayerStep:
@@ -62,20 +64,16 @@ class LayerStep:
         max_seq_len: int, *, max_model_len: int, topk_tokens: int,
         topk_backend: str, positions: torch.Tensor | None, buffer: torch.Tensor,
     ) -> bool:  # fmt: skip
-        """The stock decode from the scores on: DeepGEMM's paged scores,
-        ``as_fp32_logits``, the pool top-k (``get_indexer_topk``, or the
-        opt-in select), then the expansion into ``buffer`` or the hand-over
-        to the layer's conversion. Rows that need padding run stock
-        (``decode_step`` never defers them)."""
+        """The stock decode from the scores on: DeepGEMM's paged scores (or
+        the opt-in scores: ``scores``), ``as_fp32_logits``, the pool top-k
+        (``get_indexer_topk``, or the opt-in select), then the expansion into
+        ``buffer`` or the hand-over to the layer's conversion. Rows that need
+        padding run stock (``decode_step`` never defers them)."""
         if decode.requires_padding or positions is None:
             return False
         next_n = q[0].shape[1]
         seq_lens = decode.seq_lens[: q[0].shape[0]]
-        logits = fp8_fp4_paged_mqa_logits(
-            q, kv_cache, weights, seq_lens, decode.block_table,
-            decode.schedule_metadata, max_model_len=max_model_len,
-            indices=decode.indices,
-        )  # fmt: skip
+        logits = self.scores(q, kv_cache, weights, seq_lens, decode, max_model_len)
         rows, k = logits.shape[0], topk_tokens // POOL
         ends = seq_lens.view(-1)
         stage = self.stage
@@ -90,6 +88,27 @@ class LayerStep:
         else:
             stage.expand(pool_ids, positions[:rows], buffer[:rows])
         return True
+
+    def scores(self, q, kv_cache, weights, seq_lens, decode, max_model_len: int):
+        """``fp8_fp4_paged_mqa_logits(q, kv_cache, weights, seq_lens,
+        decode.block_table, decode.schedule_metadata, max_model_len=
+        max_model_len, indices=decode.indices)``: where the deployment opted
+        in (``kpool_scores``) and the kernel takes the call, the opt-in
+        scores, whose rows hold DeepGEMM's logits below each entry's context
+        (all that the step reads of them), else DeepGEMM's."""
+        if self.stage.scores:
+            logits = self.stage.kernels.scores.serve(
+                q=q, kv_cache=kv_cache, weights=weights, seq_lens=seq_lens,
+                block_table=decode.block_table, max_model_len=max_model_len,
+                indices=decode.indices,
+            )  # fmt: skip
+            if logits is not STOCK:
+                return logits
+        return fp8_fp4_paged_mqa_logits(
+            q, kv_cache, weights, seq_lens, decode.block_table,
+            decode.schedule_metadata, max_model_len=max_model_len,
+            indices=decode.indices,
+        )  # fmt: skip
 
     def selected(self, logits, ends, k: int, out) -> bool:
         """Whether the opt-in select wrote the top ``k`` pools below ``ends``
@@ -115,24 +134,27 @@ class KpoolStage:
     kernels, its warmup and the executors that warmup compiled and
     self-checked (none before: no step is planned before), the scale format
     read at install, the pool buffer deferring steps write, the opt-in
-    select's settings and each fused layer's ``FusedRemap``. Where every DSA
-    layer's index group can take one (``fuse``), the indexer leaves its
-    decode rows as pool ids and skips filling the logical top-k buffer,
-    which no consumer reads; else ``why_not_fused`` says why, per layer.
+    select's and scores' settings, the most query rows a decode request has
+    (``next_n``: the scores' keys) and each fused layer's ``FusedRemap``.
+    Where every DSA layer's index group can take one (``fuse``), the indexer
+    leaves its decode rows as pool ids and skips filling the logical top-k
+    buffer, which no consumer reads; else ``why_not_fused`` says why, per
+    layer.
     """
 
     def __init__(
         self, attentions, max_rows: int, device, *, mx_scales: bool,
-        select: bool = False, select_one_wave: bool = False, self_check: str = "on",
-        seed: int | None = None,
+        select: bool = False, select_one_wave: bool = False, scores: bool = False,
+        next_n: int = 1, self_check: str = "on", seed: int | None = None,
     ):  # fmt: skip
         attentions = list(attentions)
         self.max_rows, self.mx_scales, self.select = max_rows, mx_scales, select
         self.select_one_wave = select and select_one_wave
+        self.scores, self.next_n = scores, next_n
         self.executors: dict = {}
         self.kernels = StageKernels(
             UpdateKernel(self), ExpandKernel(self), RemapKernel(self),
-            UpcastKernel(self), SelectKernel(self),
+            UpcastKernel(self), SelectKernel(self), ScoresKernel(self),
         )  # fmt: skip
         device = torch.device(device)
         # A CUDA tensor's device always carries its index.
@@ -244,6 +266,11 @@ class KpoolStage:
         scales = "MX scales" if self.mx_scales else "FP32 scales"
         upcast = "no upcast (FP32 logits, stock returns them)"
         upcast = "upcast" if self.mx_scales else upcast
+        if self.scores:
+            # The kernel takes FP32 scales only: with MX scales DeepGEMM's run.
+            scores = "DeepGEMM scores (MX scales)"
+            scores = scores if self.mx_scales else "scores (opt-in) or DeepGEMM scores"
+            upcast = f"{scores}, {upcast}"
         lines = []
         for attn, why in zip(attentions, self.why_not_fused, strict=True):
             name = str(attn.indexer.k_cache.prefix).removesuffix(".indexer.k_cache")

@@ -11,11 +11,13 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.model_executor.warmup.jit_warmup import WarmupChoices
+from vllm.utils.deep_gemm import native_next_n_supported
 
 from ..config import SELF_CHECK_SEED_ENV, STAGE
 from ..constants import POOL
 from ..cutedsl.expand.launch import EXPAND
 from ..cutedsl.remap.launch import REMAP
+from ..cutedsl.scores.launch import BLOCKS, HEADS, NEXT_N, SCORES
 from ..cutedsl.select.launch import SELECT
 from ..cutedsl.upcast.launch import UPCAST
 from ..cutedsl.update.launch import UPDATE
@@ -62,11 +64,30 @@ def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
         logits = torch.bfloat16 if stage.mx_scales else torch.float32
         if stage.mx_scales:
             values.append((UPCAST, {}))
+        if stage.scores and not stage.mx_scales:
+            values += scores_values(stage, indexer, kv)
         if stage.select and stage.fuse:
             select = dict(max_rows=stage.max_rows, one_wave_only=stage.select_one_wave)
             select |= dict(k=groups, dtype=logits, width=indexer.max_pool_len)
             values.append((SELECT, select | dict(sms=stage.sms)))
     return values
+
+
+def scores_values(stage, indexer, kv) -> list[tuple[Any, dict]]:
+    """The opt-in scores' values of a layer, where the kernel takes its
+    heads and page size (else none: DeepGEMM runs): each ``next_n`` from 1
+    to the stage's that the kernel and DeepGEMM take (another runs
+    DeepGEMM, or never reaches it)."""
+    # The indexer hands DeepGEMM its heads zero-padded to 32 when fewer.
+    heads = max(indexer.n_head, 32)
+    block = kv.shape[1]
+    if heads not in HEADS or block not in BLOCKS:
+        return []
+    # The indexer's metadata flattens a step of a next_n DeepGEMM does not
+    # take (SM90: 3) into single rows; its self-check twin would refuse it.
+    next_n = range(1, stage.next_n + 1)
+    next_n = [n for n in next_n if n in NEXT_N and native_next_n_supported(n)]
+    return [(SCORES, dict(heads=heads, next_n=WarmupChoices(*next_n), block=block))]
 
 
 def failed_ranks(failed: bool) -> tuple[list[int], int]:

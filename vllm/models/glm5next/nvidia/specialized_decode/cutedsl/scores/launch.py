@@ -49,8 +49,15 @@ def row_stride(width: int) -> int:
     return -(-width // ROW_ALIGN) * ROW_ALIGN
 
 
-def check(q, kv_cache, weights, seq_lens, block_table, max_model_len, out) -> None:
+def check(
+    q, kv_cache, weights, seq_lens, block_table, max_model_len, out, indices=None
+) -> None:
     """What ``KpoolScores`` takes (raises ``Refused``)."""
+    if indices is not None:
+        raise mismatch(
+            "indices", "None (SM90's batched decode; the varlen form is SM100's)",
+            layout(indices) if isinstance(indices, torch.Tensor) else indices,
+        )  # fmt: skip
     if not isinstance(q, tuple) or len(q) != 2:
         raise mismatch("q", "a (values, scales) tuple", type(q).__name__)
     values, scales = q
@@ -141,12 +148,12 @@ def check(q, kv_cache, weights, seq_lens, block_table, max_model_len, out) -> No
 class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
     """``fp8_fp4_paged_mqa_logits(q, kv_cache, weights, seq_lens,
     block_table, schedule_metadata, max_model_len)`` of GLM-5-Next's decode
-    on SM90 (FP8 query with its scale in ``weights``, FP32 cache scales),
-    without the schedule metadata: FP32 logits ``[entries * next_n,
-    max_model_len]`` on DeepGEMM's row stride (the width rounded up to 256),
-    each entry's rows written below ``seq_lens[entry, -1]`` (the columns past
-    it are not). Into ``out`` if given. One compile key per head count,
-    ``next_n`` and cache page size."""
+    on SM90 (FP8 query with its scale in ``weights``, FP32 cache scales, no
+    ``indices``), without the schedule metadata: FP32 logits ``[entries *
+    next_n, max_model_len]`` on DeepGEMM's row stride (the width rounded up
+    to 256), each entry's rows written below ``seq_lens[entry, -1]`` (the
+    columns past it are not). Into ``out`` if given. One compile key per
+    head count, ``next_n`` and cache page size."""
 
     @dataclass(frozen=True)
     class CompileKey:
@@ -165,9 +172,10 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
         seq_lens: torch.Tensor,
         block_table: torch.Tensor,
         max_model_len: int,
+        indices: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ):
-        check(q, kv_cache, weights, seq_lens, block_table, max_model_len, out)
+        check(q, kv_cache, weights, seq_lens, block_table, max_model_len, out, indices)
         values = q[0]
         entries, next_n, heads, _ = values.shape
         if out is None:
