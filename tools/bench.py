@@ -412,9 +412,11 @@ def run(selected: list[dict], plan: Plan, dev, copy_gbs: float) -> list[dict]:
                 torch.cuda.empty_cache()  # the case's buffers and graph pools
         rows.append(row)
         said = [f"{k[:-3]} x{v[0] / v[1]:.2f} ±{max(row[k[:-2] + 'spread']):.0%}"
-                for k, v in row.items() if k.endswith("_us") and v[1]]  # fmt: skip
+                for k, v in row.items()
+                if k.endswith("_us") and v[1] and k != "scores_graph_us"]  # fmt: skip
         if row.get("scores_graph_us"):
-            said.append(f"DeepGEMM {row['scores_graph_us'][0]:.1f} us")
+            said.append("scores: DeepGEMM {:.1f} us, ours {:.1f} us".format(
+                *row["scores_graph_us"]))  # fmt: skip
         said = ["FAILED " + row["error"].split("\n")[0]] if "error" in row else said
         print(f"{name(case):64} {' | '.join(said)}", flush=True)
     return rows

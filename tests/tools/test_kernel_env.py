@@ -72,7 +72,10 @@ IMPLS = (
 )
 # Stand-ins that raise, naming themselves, unless a test driver replaces them.
 RAISING = (
-    "vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits",  # no DeepGEMM
+    # No DeepGEMM here; where the GPU tier puts vLLM's vendored copy on the
+    # path, vLLM's wrappers over it.
+    "vllm.utils.deep_gemm.fp8_fp4_paged_mqa_logits",
+    "vllm.utils.deep_gemm.get_paged_mqa_logits_metadata",
     "vllm.model_executor.layers.indexer_topk.get_indexer_topk",  # no vLLM _C
 )
 # What the product imports from vLLM that the shim serves with a stand-in

@@ -54,7 +54,9 @@ STOCK: dict[str, str | None] = {
     "vllm.compilation.breakable_cudagraph": (
         "_weak_ref_capture_arg eager_break_during_capture BreakableCUDAGraphCapture"
     ),
-    "vllm.utils.deep_gemm": "_UNIT_UE8M0_X4 _unit_mx_scales mqa_logits_mx_inputs",
+    "vllm.utils.deep_gemm": (
+        "_UNIT_UE8M0_X4 _unit_mx_scales mqa_logits_mx_inputs native_next_n_supported"
+    ),
     "vllm.v1.attention.ops.common": (
         "PackSeqTritonKernel.kernel PackSeqTritonKernel.__call__ pack_ue8m0_x4 "
         "pack_seq_triton UnpackSeqTritonKernel.kernel UnpackSeqTritonKernel.__call__ "

@@ -29,16 +29,47 @@ def mqa_logits_use_mx_scales() -> bool:
     return _capability()[0] == 10 if flag is None else flag
 
 
-def native_next_n_supported(next_n: int) -> bool:
-    """As stock: SM90's paged MQA logits take next_n 1, 2 and 4 only."""
-    return _capability()[0] != 9 or next_n in (1, 2, 4)
-
-
 @functools.cache
 def _capability() -> tuple[int, int]:
     import torch
 
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
+def paged_scores(module: str) -> dict[str, Any]:
+    """``vllm.utils.deep_gemm``'s paged scores and their schedule, as its
+    wrappers call the ``deep_gemm`` package (SM90's next_n 4 schedules one
+    task per 2-CTA cluster), where the package imports (the GPU tier unpacks
+    vLLM's vendored copy onto the path); else stand-ins that raise."""
+    try:
+        import deep_gemm
+    except Exception:  # noqa: BLE001 - any failure means "not here"
+        return {
+            n: _unavailable(module, n)
+            for n in ("fp8_fp4_paged_mqa_logits", "get_paged_mqa_logits_metadata")
+        }
+
+    def get_paged_mqa_logits_metadata(context_lens, block_size, num_sms):
+        next_n = context_lens.shape[1] if context_lens.dim() == 2 else 1
+        clusters = 2 if next_n == 4 and _capability()[0] == 9 else 1
+        return deep_gemm.get_paged_mqa_logits_metadata(
+            context_lens, block_size, num_sms // clusters
+        )
+
+    def fp8_fp4_paged_mqa_logits(
+        q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+        max_model_len, indices=None,
+    ):  # fmt: skip
+        assert indices is None, "the kernel-only runs take SM90's batched form"
+        return deep_gemm.fp8_fp4_paged_mqa_logits(
+            q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+            max_model_len,
+        )  # fmt: skip
+
+    return {
+        "get_paged_mqa_logits_metadata": get_paged_mqa_logits_metadata,
+        "fp8_fp4_paged_mqa_logits": fp8_fp4_paged_mqa_logits,
+    }
 
 
 def init_logger(name: str) -> logging.Logger:
@@ -156,9 +187,8 @@ def stubs() -> dict[str, dict[str, Any]]:
         deep_gemm: {
             "mqa_logits_use_mx_scales": mqa_logits_use_mx_scales,
             "has_deep_gemm": lambda: False,
-            "native_next_n_supported": native_next_n_supported,
-            **ops(deep_gemm, "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits"),
-            **ops(deep_gemm, "get_paged_mqa_logits_metadata"),
+            **ops(deep_gemm, "fp8_fp4_mqa_logits"),
+            **paged_scores(deep_gemm),
         },
         "vllm.model_executor.layers.indexer_topk": ops(
             "vllm.model_executor.layers.indexer_topk", "get_indexer_topk"
