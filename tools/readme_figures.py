@@ -252,6 +252,27 @@ def scores_block(data: dict) -> str:
     )
 
 
+@block("step_scores", "docs/bench-step-scores-h200.json")
+def step_scores_block(data: dict) -> str:
+    """The indexer decode after the query with the opt-in scores and select."""
+    rows = {(r["rows"], r["next_n"], r["context"]): r for r in data["scores"]}
+    pair = "step_scores_graph_us"
+    one, small, wide = rows[(1, 1, 65536)], rows[(1, 1, 4096)], rows[(64, 1, 65536)]
+    few = [r for r in data["scores"] if r["rows"] <= 8]
+    return (
+        "With `kpool_scores: true` as well (our scores in DeepGEMM's place, "
+        "then the select; "
+        f"{link('docs/bench-step-scores-h200.json')}, {data['meta']['date']}), "
+        f"the same decode takes {one[pair][1]:.1f} µs against stock's "
+        f"{one[pair][0]:.1f} at 1 x 64K ({ratio(one[pair]):.2f}x; "
+        f"{ratio(small[pair]):.2f}x at 4K), "
+        f"{span(ratio(r[pair]) for r in few)}x at 1-8 requests of 4K-64K pools "
+        f"and next_n 1-2, {ratio(wide[pair]):.2f}x at 64 x 64K; our scores "
+        f"alone {one['scores_graph_us'][1]:.1f} µs against DeepGEMM's "
+        f"{one['scores_graph_us'][0]:.1f} there."
+    )
+
+
 @block("steps", "docs/indexer-steps-h200.json")
 def steps_block(data: dict) -> str:
     runs = [r for r in data["runs"] if r["steps"]["decode_steps"] >= 1000]
