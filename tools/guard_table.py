@@ -34,7 +34,7 @@ def rows() -> tuple[list[str], list[tuple[str, str, str]]]:
 
     every, table = {}, {}
     with rule_edges.allow_cpu():
-        for order, kernel in enumerate(rule_edges.KEYS):
+        for order, kernel in enumerate(rule_edges.EDGED):
             names = list(inspect.signature(kernel.spec).parameters)
             for edge in rule_edges.edges(kernel):
                 try:

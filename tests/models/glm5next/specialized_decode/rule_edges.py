@@ -23,6 +23,8 @@ import contextlib
 import functools
 import random
 import re
+import sys
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import draws
@@ -74,13 +76,31 @@ def cpu_devices(names, *tensors, optional=()) -> None:
 @contextlib.contextmanager
 def allow_cpu():
     """The rules with ``cpu_devices`` (and the select's and the scores' SM
-    counts) in place."""
+    counts) in place; without CUDA, DeepGEMM's scores are ``cpu_deep_gemm``
+    (a scores case draws them)."""
     with pytest.MonkeyPatch.context() as patch:
         for module in (host, *LAUNCH_MODULES):
             patch.setattr(module, "check_devices", cpu_devices)
         for module in (select, scores):
             patch.setattr(module, "sm_count", lambda index: SMS)
+        if not torch.cuda.is_available():
+            patch.setattr(cases, "deep_gemm_scores", cpu_deep_gemm)
         yield
+
+
+def cpu_deep_gemm(arguments: dict) -> torch.Tensor:
+    """DeepGEMM's scores of a scores case on the CPU: the step simulator's
+    stand-in (``indexer_sim.paged_logits``, one directory up)."""
+    simulator = str(Path(__file__).resolve().parents[1])
+    if simulator not in sys.path:
+        sys.path.insert(0, simulator)
+    from indexer_sim import paged_logits
+
+    a = arguments
+    return paged_logits(
+        a["q"], a["kv_cache"], a["weights"], a["seq_lens"], a["block_table"],
+        max_model_len=a["max_model_len"],
+    )  # fmt: skip
 
 
 # A GLM-5-Next deployment's keys: an 8-token tail ring, 64-token pages, the
@@ -103,6 +123,10 @@ KEYS = {
     select.SELECT: dict(k=512, dtype=torch.float32, rows=4, width=4096, sms=SMS),
     scores.SCORES: dict(heads=32, next_n=2, block=64),
 }
+# The kernels whose rules the edges below change argument by argument (the
+# guard table's): the scores' rule (a (values, scales) query) is tested by
+# name in test_scores.py instead.
+EDGED = [kernel for kernel in KEYS if kernel is not scores.SCORES]
 # The seed of each kernel's base case: a few rows (the remap's: 8, 2 expanded;
 # the select's: 23 of 4096 columns; the scores': 3 entries of up to 1270 pools).
 SEEDS = {update.UPDATE: 7, expand.EXPAND: 4, remap.REMAP: 8, upcast.UPCAST: 5,
@@ -118,8 +142,20 @@ def base_case(kernel) -> cases.Case:
     key = kernel.dispatch(**KEYS[kernel])
     gen = torch.Generator("cuda" if torch.cuda.is_available() else "cpu")
     gen.manual_seed(seed)
-    with draws.stock_scales(key.mx_scales) if kernel is update.UPDATE else nothing():
+    scales = draws.stock_scales(key.mx_scales) if kernel is update.UPDATE else nothing()
+    on_cpu = cpu_scores() if gen.device.type == "cpu" else nothing()
+    with scales, on_cpu:
         return cases.CASES[kernel](random.Random(seed), gen, key, **extra)
+
+
+@contextlib.contextmanager
+def cpu_scores():
+    """DeepGEMM's scores as ``cpu_deep_gemm`` and the scores' SM count
+    ``SMS``: a scores case drawn on the CPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cases, "deep_gemm_scores", cpu_deep_gemm)
+        patch.setattr(scores, "sm_count", lambda index: SMS)
+        yield
 
 
 nothing = contextlib.nullcontext

@@ -30,7 +30,7 @@ from unittest import mock
 import draws
 import pytest
 import torch
-from rule_edges import KEYS, SEEDS, SMS, allow_cpu
+from rule_edges import KEYS, SEEDS, SMS, allow_cpu, cpu_deep_gemm
 
 from vllm.model_executor.warmup.jit_warmup import WarmupChoices
 from vllm.models.glm5next.nvidia.ops import kpool_compress
@@ -122,18 +122,6 @@ def reusing(draw, fresh=lambda: False):
         return case
 
     return drawn
-
-
-def cpu_deep_gemm(arguments: dict) -> torch.Tensor:
-    """DeepGEMM's scores of a scores case on the CPU: the step simulator's
-    stand-in (``indexer_sim.paged_logits``)."""
-    from indexer_sim import paged_logits
-
-    a = arguments
-    return paged_logits(
-        a["q"], a["kv_cache"], a["weights"], a["seq_lens"], a["block_table"],
-        max_model_len=a["max_model_len"],
-    )  # fmt: skip
 
 
 @contextlib.contextmanager
