@@ -64,6 +64,8 @@ def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
         logits = torch.bfloat16 if stage.mx_scales else torch.float32
         if stage.mx_scales:
             values.append((UPCAST, {}))
+        # FP32 scales: SM90 (the SM100 family's scores take MX scales only),
+        # whose wgmma the scores kernel is built on.
         if stage.scores and not stage.mx_scales:
             values += scores_values(stage, indexer, kv)
         if stage.select and stage.fuse:
