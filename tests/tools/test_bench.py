@@ -216,6 +216,8 @@ def test_a_small_run_writes_each_row_s_figures(monkeypatch, tmp_path, capsys):
         if case["rows"] == 2:
             raise RuntimeError("exploded")
         add = partial(torch.add, torch.ones(64, 64), 1)
+        if case.get("case") == "step":  # the scores alone beside the pairs
+            return [("step_scores", [add], [add])], dict(alone=(add, add))
         if "case" in case:
             return [("", [add, add], [add])], dict(bytes=1e6)
         return [("select", [add], [add]), ("chain", [add], [add])], {}
@@ -227,12 +229,16 @@ def test_a_small_run_writes_each_row_s_figures(monkeypatch, tmp_path, capsys):
         dict(select, logits="randn"),
         dict(case="upcast", ends="full", rows=1, width=4096),
         dict(case="expand", rows=2),
+        dict(case="step", rows=1, next_n=1, context=4096, heads=32),
     ]
     plan = bench.Plan(rep_ms=1.0, eager_calls=3, eager_repeats=3)
     rows = bench.run(selected, plan, CPU, copy_gbs=100.0)
     bench.write_json(tmp_path / "bench.json", dict(gpu="cpu"), rows)
     data = json.loads((tmp_path / "bench.json").read_text())
     (select,), (upcast, failed) = data["select"], data["kernels"]
+    (step,) = data["scores"]  # [DeepGEMM, ours] alone: no spread
+    assert len(step["scores_graph_us"]) == 2 and "scores_graph_spread" not in step
+    assert all(v > 0 for v in step["step_scores_graph_us"])
     us = {"select_graph_us", "chain_graph_us", "chain_eager_us"}
     assert select.keys() == SELECT | us | {k[:-2] + "spread" for k in us}
     timed = {"graph_us", "eager_us", "graph_spread", "eager_spread"}
@@ -244,3 +250,4 @@ def test_a_small_run_writes_each_row_s_figures(monkeypatch, tmp_path, capsys):
     assert failed == dict(case="expand", rows=2, error="RuntimeError: exploded")
     err = capsys.readouterr()
     assert "Traceback" in err.err and "FAILED RuntimeError: exploded" in err.out
+    assert "scores: DeepGEMM" in err.out
