@@ -268,8 +268,9 @@ class KpoolStage:
         upcast = "upcast" if self.mx_scales else upcast
         if self.scores:
             # The kernel takes FP32 scales only: with MX scales DeepGEMM's run.
-            scores = "DeepGEMM scores (MX scales)"
-            scores = scores if self.mx_scales else "scores (opt-in) or DeepGEMM scores"
+            scores = "scores (opt-in) or DeepGEMM scores"
+            if self.mx_scales:
+                scores = "DeepGEMM scores (MX scales)"
             upcast = f"{scores}, {upcast}"
         lines = []
         for attn, why in zip(attentions, self.why_not_fused, strict=True):

@@ -4,6 +4,7 @@
 kernel with the launch spec apart from the launch, the refusal of an input a
 kernel does not take, and the fake tensors a key compiles on."""
 
+import functools
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -67,6 +68,12 @@ def check_devices(
             raise mismatch(
                 name, f"a tensor on {first.device} as the others", tensor.device
             )
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """The SMs of CUDA device ``index``, read once."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def check_int32(name: str, value: Any) -> None:

@@ -4,7 +4,6 @@
 ``fp8_fp4_paged_mqa_logits`` arguments, how many CTAs an entry takes, its
 compile key, its launch."""
 
-import functools
 from dataclasses import dataclass
 
 import cutlass.cute as cute
@@ -14,7 +13,7 @@ from cutlass.cute.runtime import make_fake_tensor
 
 from vllm.model_executor.warmup.jit_warmup import kernel_launcher
 
-from ..common.host import KpoolKernel, check_devices, layout, mismatch
+from ..common.host import KpoolKernel, check_devices, layout, mismatch, sm_count
 from .kernel import DIM, TILE, KpoolScores
 
 HEADS = (16, 32, 64)
@@ -29,12 +28,6 @@ ROW_ALIGN = 256
 # since more concurrent streams an SM read a large cache slower
 # (docs/performance.md, "Our scores").
 CTAS_PER_SM, CTAS_PER_SM_FEW, FEW_TILES = 2, 4, 16
-
-
-@functools.cache
-def sm_count(index: int) -> int:
-    """The SMs of CUDA device ``index``, read once."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def splits_for(entries: int, width: int, sms: int) -> int:

@@ -19,6 +19,7 @@ from ..common.host import (
     kernel_launcher,
     layout,
     mismatch,
+    sm_count,
 )
 from .kernel import CAPACITIES, VECTOR, SelectTopk, ctas_per_sm
 
@@ -78,12 +79,6 @@ def one_wave(rows: int, width: int, dtype: torch.dtype, sms: int) -> bool:
 def in_one_wave(rows, width, dtype, sms):
     """``one_wave`` as a warmup predicate (vLLM traces its one expression)."""
     return one_wave(rows, width, dtype, sms)
-
-
-@functools.cache
-def sm_count(index: int) -> int:
-    """The SMs of CUDA device ``index``, read once."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def check(logits, ends, k, out) -> None:
