@@ -99,15 +99,12 @@ def tail_block(data: dict) -> str:
     tail and stock's top-k the stage removes."""
     sm90 = tail(data, "sm90-flashinfer")
     intro = (
-        f"`tools/bench.py` on {run_of(data)} ({link('docs/bench-h200.json')}, "
-        "`tail` rows), replayed from CUDA graphs: one DSA layer's decode tail in "
-        "a decode step (the update of each request's token, the upcast where the "
-        "path has one, the expansion and conversion after a 512-pool top-k; "
-        f"contexts of {TAIL_CONTEXTS}), stock and the stage in one run; "
-        "DeepGEMM's scores and the top-k on neither side. FlashInfer SM90 "
-        f"(Hopper's default backend); a token saves {DSA_LAYERS} x the saving / "
-        "rows (transformers' `Glm5NextTextConfig`: 45 layers, every fourth a DSA "
-        "layer; one token a request):"
+        f"`tools/bench.py` on {run_of(data)} ({link('docs/bench-h200.json')}), "
+        "graph-replayed, stock and the stage in one run: one DSA layer's decode "
+        "tail (the update, the upcast where the path has one, the expansion and "
+        f"conversion after a 512-pool top-k; contexts of {TAIL_CONTEXTS}) on "
+        "FlashInfer SM90, Hopper's default; a token saves "
+        f"{DSA_LAYERS} x the saving / rows (45 layers, every fourth a DSA layer):"
     )
     header = (
         "| decode rows | stock µs | stage µs | saving µs | stock/stage "
@@ -260,16 +257,11 @@ def step_scores_block(data: dict) -> str:
     one, small, wide = rows[(1, 1, 65536)], rows[(1, 1, 4096)], rows[(64, 1, 65536)]
     few = [r for r in data["scores"] if r["rows"] <= 8]
     return (
-        "With `kpool_scores: true` as well (our scores in DeepGEMM's place, "
-        "then the select; "
-        f"{link('docs/bench-step-scores-h200.json')}, {data['meta']['date']}), "
-        f"the same decode takes {one[pair][1]:.1f} µs against stock's "
-        f"{one[pair][0]:.1f} at 1 x 64K ({ratio(one[pair]):.2f}x; "
-        f"{ratio(small[pair]):.2f}x at 4K), "
-        f"{span(ratio(r[pair]) for r in few)}x at 1-8 requests of 4K-64K pools "
-        f"and next_n 1-2, {ratio(wide[pair]):.2f}x at 64 x 64K; our scores "
-        f"alone {one['scores_graph_us'][1]:.1f} µs against DeepGEMM's "
-        f"{one['scores_graph_us'][0]:.1f} there."
+        "With `kpool_scores: true` too (our scores, then the select; "
+        f"{link('docs/bench-step-scores-h200.json')}): {one[pair][1]:.1f} µs "
+        f"against {one[pair][0]:.1f} at 1 x 64K ({ratio(one[pair]):.2f}x; "
+        f"{ratio(small[pair]):.2f}x at 4K), {span(ratio(r[pair]) for r in few)}x "
+        f"at 1-8 requests, {ratio(wide[pair]):.2f}x at 64 x 64K."
     )
 
 
