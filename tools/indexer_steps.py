@@ -14,6 +14,9 @@ each backend eagerly with the tail cache's stock split, then with two
 engines' stages (``--stages 2``: those alone). ``--seed`` or ``KPOOL_SEED``
 replays. One summary line per run; the JSON is rewritten after each run.
 Exits 1 on any mismatch. ``--select``: the stages with the opt-in select.
+``--scores``: with the opt-in scores, on the SM90 paths (default backends)
+in the geometry they take (``SCORES_GEOMETRY``; ``--cpu-smoke``:
+``CPU_SCORES_GEOMETRY``); on CUDA stock's scores are DeepGEMM's own.
 
 ``--time``: per DSA layer, the indexer call and the conversion that consumes
 it (a deferral moves work from one to the other), stock against the stage,
@@ -52,7 +55,7 @@ def setup(cpu: bool) -> str:
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--backends", default=",".join(BACKENDS))
+    add("--backends", default=None, help=f"default {','.join(BACKENDS)}")
     add("--modes", default=None, help="default: the matrix in the docstring")
     add("--tail-splits", default=None, help="stock,indexer (with --modes)")
     add("--decode-steps", type=int, default=600)
@@ -66,6 +69,7 @@ def arguments() -> argparse.Namespace:
     add("--hold-cycles", type=int, default=200_000, help="stream hold-back (GPU)")
     add("--stages", type=int, default=None, help="2: the two-stage runs alone")
     add("--select", action="store_true", help="the stages with the opt-in select")
+    add("--scores", action="store_true", help="the stages with the opt-in scores")
     add("--stock-topk-so", type=Path, help="the wheel's _C_stable .so (--select)")
     return parser.parse_args()
 
@@ -187,7 +191,11 @@ def graph_us(run, side, layer: int, fwd, steps: int = 10, replays: int = 20) -> 
 
 def main() -> int:
     args = arguments()
+    if args.scores and (args.time or args.time_only):
+        sys.exit("--time stores both sides' scores; tools/bench.py times ours")
     where = setup(args.cpu_smoke)
+    import dataclasses
+
     import indexer_sim as sim
     import pytest
     import torch
@@ -195,7 +203,14 @@ def main() -> int:
 
     seed = sim.fuzz_seed() if args.seed is None else args.seed
     device = "cpu" if args.cpu_smoke else "cuda"
-    geo = sim.CPU_GEOMETRY if args.cpu_smoke else sim.Geometry(layers=args.layers)
+    if args.backends is None:  # the opt-in scores take FP32 scales only (SM90)
+        fp32 = [b for b in BACKENDS if not sim.BACKENDS[b].mx]
+        args.backends = ",".join(fp32 if args.scores else BACKENDS)
+    if args.cpu_smoke:
+        geo = sim.CPU_SCORES_GEOMETRY if args.scores else sim.CPU_GEOMETRY
+    else:
+        geo = sim.SCORES_GEOMETRY if args.scores else sim.Geometry()
+        geo = dataclasses.replace(geo, layers=args.layers)
     work = dict(decode_steps=args.decode_steps)
     if args.cpu_smoke:
         work = {k: v for k, v in vars(sim.CPU_WORK).items() if k != "tail_split"}
@@ -223,6 +238,7 @@ def main() -> int:
             continue
         cfg = sim.Config(
             backend, mode, geo=geo, seed=seed, stages=stages, select=args.select,
+            scores=args.scores,
             work=sim.Workload(tail_split=split, **work), hold_cycles=args.hold_cycles,
             capture=not args.cpu_smoke,
         )  # fmt: skip

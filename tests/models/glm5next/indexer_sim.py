@@ -19,7 +19,7 @@ import random
 import secrets
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace as NS
 from unittest import mock
 
@@ -41,7 +41,7 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
 )
 from vllm.models.glm5next.nvidia import sparse_indexer
 from vllm.models.glm5next.nvidia.ops import kpool_compress as kpool_ops
-from vllm.models.glm5next.nvidia.specialized_decode import kpool
+from vllm.models.glm5next.nvidia.specialized_decode import cases, kpool
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common import host
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores import (
     launch as scores_launch,
@@ -150,6 +150,24 @@ def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
     mx = q_scale is not None
     out = _logits(values, q_scale, weights, max_seqlen_k, ke - ks, gather, mx)
     return out.to(torch.bfloat16 if mx else torch.float32)
+
+
+def deep_gemm_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
+    """DeepGEMM's own ``fp8_fp4_paged_mqa_logits`` (SM90: FP32 scales, no
+    ``indices``), with its schedule for this GPU (the kernel-only shim's
+    laid metadata carries none): on CUDA, the stock scores that
+    ``kpool_scores`` is compared with."""
+    if q[1] is not None or kw.get("indices") is not None:
+        raise ValueError("deep_gemm_logits: SM90's call (no MX scales, no indices)")
+    arguments = dict(q=q, kv_cache=kv_cache, weights=weights, seq_lens=lens)
+    arguments |= dict(block_table=tables, max_model_len=kw["max_model_len"])
+    try:
+        return cases.deep_gemm_scores(arguments)
+    except RuntimeError as error:  # the kernel-only shim without the package
+        raise RuntimeError(
+            f"{error}: the scores runs compare with vLLM's vendored DeepGEMM "
+            "(tools/kernel_env/prepare.sh --deep-gemm, then gpu_tier.sh)"
+        ) from error
 
 
 def stable_topk(logits, starts, ends, k: int) -> torch.Tensor:
@@ -772,6 +790,23 @@ CPU_WORK = Workload(
 )  # fmt: skip
 
 
+# The opt-in scores' runs: heads as vLLM pads GLM-5-Next's 16 for DeepGEMM,
+# pages of 64 pools (256-token blocks; DeepGEMM takes 32 or 64), MLA blocks
+# laid further apart than their rows.
+SCORES_GEOMETRY = Geometry(heads=32, block=256, mla_block_rows=320)
+CPU_SCORES_GEOMETRY = replace(CPU_GEOMETRY, heads=32, block=128, mla_block_rows=160)
+
+
+def scores_reach(cfg) -> bool:
+    """Whether the opt-in scores can run on ``cfg``'s backend and geometry."""
+    geo = cfg.geo
+    return (
+        not BACKENDS[cfg.backend].mx
+        and geo.heads in scores_launch.HEADS
+        and geo.page in scores_launch.BLOCKS
+    )
+
+
 def fuzz_seed() -> int:
     """``KPOOL_SEED`` to replay a run, else a fresh seed every run."""
     return int(os.environ.get("KPOOL_SEED") or secrets.randbits(31))
@@ -792,6 +827,9 @@ class Config:
     # The opt-in select: stock's top-k is contract_topk's set in another
     # order, and the top-k rows compare as sets.
     select: bool = False
+    # The opt-in scores (SM90 paths; ``geo`` with heads and pages the kernel
+    # takes, ``SCORES_GEOMETRY``): on CUDA, stock's are DeepGEMM's own.
+    scores: bool = False
     full_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)  # requests
     piecewise_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
     max_reported: int = 20
@@ -799,7 +837,8 @@ class Config:
     @property
     def name(self) -> str:
         stages, select = "/2 stages" * (self.stages == 2), "/select" * self.select
-        return f"{self.backend}/{self.mode}/tail-{self.work.tail_split}{stages}{select}"
+        opted = select + "/scores" * self.scores
+        return f"{self.backend}/{self.mode}/tail-{self.work.tail_split}{stages}{opted}"
 
 
 @dataclass
@@ -849,6 +888,12 @@ class Run:
     def __init__(self, cfg: Config, device, patch):
         if cfg.stages not in (1, 2) or (cfg.stages == 2 and cfg.mode != "eager"):
             raise ValueError(f"stages {cfg.stages} in mode {cfg.mode}: 1, or 2 eager")
+        if cfg.scores and not scores_reach(cfg):
+            raise ValueError(
+                f"scores on {cfg.backend} with {cfg.geo.heads} heads and pages of "
+                f"{cfg.geo.page} pools: the kernel takes FP32 scales (SM90 paths), "
+                f"heads in {scores_launch.HEADS}, pages in {scores_launch.BLOCKS}"
+            )
         self.cfg, self.patch, self.device = cfg, patch, torch.device(device)
         cuda = self.device.type == "cuda"
         self.sim = Sim(cfg.geo, BACKENDS[cfg.backend], device, cfg.seed, work=cfg.work)
@@ -871,12 +916,16 @@ class Run:
         cuda = self.stream is not None
         if not topk and (cuda or hasattr(sys.modules["vllm"], "__kernel_env__")):
             topk = stable_decode_topk
-        references(self.patch, [sparse_indexer], self.device, paged_logits, topk)
+        # CUDA, opted-in scores: stock's are DeepGEMM's, whose bytes ours keep.
+        logits = deep_gemm_logits if cuda and self.cfg.scores else paged_logits
+        references(self.patch, [sparse_indexer], self.device, logits, topk)
         if self.stream is not None:  # after the initial state's stream
             self.stream.wait_stream(torch.cuda.current_stream())
             stack.enter_context(torch.cuda.stream(self.stream))
         for side in self.sides[1:]:
-            build_stage(side, self.registry, select=self.cfg.select)
+            build_stage(
+                side, self.registry, select=self.cfg.select, scores=self.cfg.scores
+            )
             if watch:
                 self.spies.watch(side.stage)
 

@@ -23,15 +23,18 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from indexer_sim import (
     BACKENDS,
     CPU_GEOMETRY,
+    CPU_SCORES_GEOMETRY,
     CPU_WORK,
     MODES,
     REPORTS,
+    SCORES_GEOMETRY,
     Config,
     Run,
     Workload,
@@ -43,9 +46,9 @@ CPU_SEED = 5
 HOLD = 200_000  # GPU cycles (~0.1 ms) a stream is held back at a hand-off
 
 
-def cpu_config(backend: str, mode: str = "eager", **changes) -> Config:
+def cpu_config(backend: str, mode="eager", geo=CPU_GEOMETRY, **changes) -> Config:
     return Config(
-        backend=backend, mode=mode, geo=CPU_GEOMETRY, work=CPU_WORK, seed=CPU_SEED,
+        backend=backend, mode=mode, geo=geo, work=CPU_WORK, seed=CPU_SEED,
         capture=False, full_sizes=(2, 4), piecewise_sizes=(16, 64, 256), **changes,
     )  # fmt: skip
 
@@ -72,12 +75,12 @@ def check(report, decode_steps: int, topk: int = CPU_GEOMETRY.topk) -> None:
         assert report.deferred > 0 and report.fused > 0, report.line()
 
 
-def launched(report, backend: str, select: bool = False) -> None:
+def launched(report, backend: str, select=False, scores=False) -> None:
     """Every kernel a planned step of ``backend`` takes was launched (the
     upcast: MX scales only, the FP32 logits of the others are returned as
     they are, and not where the select reads the logits as they come)."""
     kernels = ["update", "remap"] + ["upcast"] * (BACKENDS[backend].mx and not select)
-    kernels += ["select"] * select
+    kernels += ["select"] * select + ["scores"] * scores
     assert all(report.launches[k] > 0 for k in kernels), report.line()
 
 
@@ -104,6 +107,36 @@ def test_indexer_steps_cpu_select(monkeypatch):
     assert report.name.endswith("/select")
 
 
+def test_indexer_steps_cpu_scores(monkeypatch):
+    """The opt-in scores with the select, on an SM90 path in piecewise mode,
+    in the geometry they take (32 heads, pages of 32 pools): the spied
+    scores compute the simulator's DeepGEMM stand-in, as stock's side does
+    (the plumbing: the GPU runs compare the real kernel with DeepGEMM)."""
+    geo = CPU_SCORES_GEOMETRY
+    config = cpu_config("flashinfer_sm90", "piecewise", geo, select=True, scores=True)
+    report = Run(config, "cpu", monkeypatch).run()
+    check(report, CPU_WORK.decode_steps)
+    launched(report, "flashinfer_sm90", select=True, scores=True)
+    assert report.name.endswith("/select/scores")
+
+
+@pytest.mark.parametrize(
+    "backend, geo, wrong",
+    [
+        ("sm100", CPU_SCORES_GEOMETRY, "sm100"),
+        ("flashmla_fp8", CPU_GEOMETRY, "pages of 16 pools"),
+        ("flashmla_fp8", replace(CPU_GEOMETRY, heads=8, block=128), "8 heads"),
+    ],
+)
+def test_indexer_steps_scores_name_what_they_cannot_take(
+    monkeypatch, backend, geo, wrong
+):
+    """A scores run the kernel could never reach (MX scales, heads, pages)
+    is refused, not run on stock's scores alone."""
+    with pytest.raises(ValueError, match=wrong):
+        Run(cpu_config(backend, geo=geo, scores=True), "cpu", monkeypatch)
+
+
 def test_indexer_steps_cpu_two_stages(monkeypatch):
     """Two stages in one process, per layer interleaved: between one stage's
     indexer and its conversion the other's whole layer step runs and its
@@ -124,9 +157,12 @@ def two_stages(run: Run) -> None:
             assert remap.stage is side.stage and remap.pending is None
 
 
-def test_indexer_steps_cpu_kernel_only(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--select", "--scores"]])
+def test_indexer_steps_cpu_kernel_only(tmp_path, options):
     """The same through the kernel-only shim, by the CLI
-    (``tools/indexer_steps.py``): the lifted indexer and its helpers run."""
+    (``tools/indexer_steps.py``): the lifted indexer and its helpers run;
+    and with the opt-in select and scores, whose runs the GPU tier's
+    DeepGEMM comparison takes this way."""
     from tools.kernel_env import stage
 
     modules = {rel: rel[:-3].replace("/", ".") for rel in stage.STOCK_FILES}
@@ -140,7 +176,7 @@ def test_indexer_steps_cpu_kernel_only(tmp_path):
     out = tmp_path / "result.json"
     command = [sys.executable, str(REPO / "tools/indexer_steps.py"), "--cpu-smoke"]
     command += ["--backends", "flashmla_fp8", "--seed", str(CPU_SEED)]
-    command += ["--json", str(out)]
+    command += ["--json", str(out), *options]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -149,6 +185,8 @@ def test_indexer_steps_cpu_kernel_only(tmp_path):
     [report] = result["runs"]
     assert report["mismatches"] == 0, report["details"]
     assert report["planned"] > 0 and report["fused"] > 0, report["summary"]
+    for kernel in ("select", "scores") if options else ():
+        assert report["launches"].get(kernel), report["summary"]
 
 
 def test_tools_print_help():
@@ -234,3 +272,21 @@ def test_indexer_steps_select(monkeypatch, backend, mode):
     sets, every other byte as stock's."""
     _, report = gpu_run(monkeypatch, backend, mode, hold_cycles=HOLD, select=True)
     launched(report, backend, select=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if not BACKENDS[b].mx])
+def test_indexer_steps_scores(monkeypatch, backend, mode):
+    """The opt-in scores and select on each SM90 path in each mode, streams
+    held back (``SCORES_GEOMETRY``: 32 heads, pages of 64 pools): stock's
+    scores are DeepGEMM's own (vLLM's vendored copy, which the GPU tier
+    unpacks), its top-k ``contract_topk``'s set in another order; the
+    stage's rows, from our scores through the select, compare as sets, every
+    other byte as stock's. Equal sets need our scores' bytes to be DeepGEMM's
+    wherever the select reads them."""
+    _, report = gpu_run(
+        monkeypatch, backend, mode, hold_cycles=HOLD, select=True, scores=True,
+        geo=SCORES_GEOMETRY,
+    )  # fmt: skip
+    launched(report, backend, select=True, scores=True)
