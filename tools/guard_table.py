@@ -23,6 +23,7 @@ ENTRIES = dict(
     Remap=("expand_and_remap", "the logical rows, the stock conversion"),
     Upcast=("upcast_logits", "`as_fp32_logits`"),
     Select=("select_topk", "`as_fp32_logits` and stock's top-k"),
+    Scores=("SCORES", "DeepGEMM's `fp8_fp4_paged_mqa_logits`"),
 )
 
 

@@ -124,9 +124,8 @@ KEYS = {
     scores.SCORES: dict(heads=32, next_n=2, block=64),
 }
 # The kernels whose rules the edges below change argument by argument (the
-# guard table's): the scores' rule (a (values, scales) query) is tested by
-# name in test_scores.py instead.
-EDGED = [kernel for kernel in KEYS if kernel is not scores.SCORES]
+# guard table's).
+EDGED = list(KEYS)
 # The seed of each kernel's base case: a few rows (the remap's: 8, 2 expanded;
 # the select's: 23 of 4096 columns; the scores': 3 entries of up to 1270 pools).
 SEEDS = {update.UPDATE: 7, expand.EXPAND: 4, remap.REMAP: 8, upcast.UPCAST: 5,
@@ -177,6 +176,8 @@ def landmarks(kernel, a: dict) -> list[int]:
         return [a["logits"].shape[0]]
     if kernel is select.SELECT:
         return [a["logits"].shape[0], a["k"], draws.SELECT_WIDEST]
+    if kernel is scores.SCORES:
+        return [*scores.HEADS, *scores.BLOCKS, max(scores.NEXT_N)]
     return []
 
 
@@ -200,10 +201,13 @@ class Edge(NamedTuple):
 def valid(kernel, device="cpu") -> dict:
     """The base case's arguments, its tensors on ``device`` (zeros: the
     rules read no data)."""
-    return {
-        name: like(value, device=device) if isinstance(value, torch.Tensor) else value
-        for name, value in base_case(kernel).arguments.items()
-    }
+
+    def zeros(value):
+        if isinstance(value, tuple):
+            return tuple(zeros(v) for v in value)
+        return like(value, device=device) if isinstance(value, torch.Tensor) else value
+
+    return {name: zeros(value) for name, value in base_case(kernel).arguments.items()}
 
 
 class OnCuda(torch.Tensor):
@@ -244,26 +248,36 @@ def edges(kernel, device="cpu") -> list[Edge]:
     def add(name, kind, argument, value, expected=RULE):
         found.append(Edge(kernel, name, kind, valid_ | {argument: value}, expected))
 
-    tensors = [n for n, v in valid_.items() if isinstance(v, torch.Tensor)]
+    def tensor_edges(name, value, wrap):
+        """``value``'s edges, each as ``wrap`` puts it in the argument."""
+        for dim, size in enumerate(value.shape):
+            near = {m + d for m in (size, *marks) for d in (-1, 0, 1)}
+            for n in sorted(near - {size}):
+                shape = (*value.shape[:dim], n, *value.shape[dim + 1 :])
+                if n < 0 or span(shape, value.stride()) > 1 << 24:
+                    continue
+                add(f"{name}[{dim}]={n}", "shape", name, wrap(like(value, shape=shape)))
+                if dim and value.is_contiguous():  # and its strides
+                    changed = wrap(contiguous(value, *shape))
+                    add(f"{name}[{dim}]={n} contiguous", "shape", name, changed)
+        add(f"{name}: float64", "dtype", name, wrap(like(value, dtype=F64)), name)
+        add(f"{name}: list", "type", name, wrap([0]))
+        add(f"{name}: meta", "type", name, wrap(like(value, device="meta")))
+        if name != tensors[0]:
+            add(f"{name}: another device", "type", name, wrap(on_cuda(1)))
+        add(f"{name}: None", "type", name, wrap(None))
+
+    tensors = [n for n, v in valid_.items() if isinstance(v, (torch.Tensor, tuple))]
     for name, value in valid_.items():
         if isinstance(value, torch.Tensor):
-            for dim, size in enumerate(value.shape):
-                near = {m + d for m in (size, *marks) for d in (-1, 0, 1)}
-                for n in sorted(near - {size}):
-                    shape = (*value.shape[:dim], n, *value.shape[dim + 1 :])
-                    if n < 0 or span(shape, value.stride()) > 1 << 24:
-                        continue
-                    changed = like(value, shape=shape)
-                    add(f"{name}[{dim}]={n}", "shape", name, changed)
-                    if dim and value.is_contiguous():  # and its strides
-                        changed = contiguous(value, *shape)
-                        add(f"{name}[{dim}]={n} contiguous", "shape", name, changed)
-            add(f"{name}: float64", "dtype", name, like(value, dtype=F64), name)
-            add(f"{name}: list", "type", name, [0])
-            add(f"{name}: meta", "type", name, like(value, device="meta"))
-            if name != tensors[0]:
-                add(f"{name}: another device", "type", name, on_cuda(1))
-            add(f"{name}: None", "type", name, None)
+            tensor_edges(name, value, lambda t: t)
+        elif isinstance(value, tuple):  # the scores' query: (values, scales)
+            values, scales = value
+            tensor_edges(name, values, lambda t, s=scales: (t, s))
+            # Refused naming it, whatever the rest (declared, as a layout).
+            add(f"{name}: values alone", "layout", name, values, name)
+            scaled = (values, contiguous(values, *values.shape[:3]).float())
+            add(f"{name}: with scales", "layout", name, scaled, name)
         elif isinstance(value, int) and not isinstance(value, bool):
             near = {value - 1, value + 1, 0, INT32_MIN - 1, INT32_MIN, INT32_MAX}
             near |= {INT32_MAX + 1, *SCALARS.get(name, [])}

@@ -49,6 +49,8 @@ def rows(a: dict, table) -> list:
     def change(t, v):
         if not isinstance(v, dict):
             return v
+        if isinstance(t, tuple):  # the scores' query: its values change
+            return (change(t[0], v), *t[1:])
         return like(t, **({"stride": dense(v["shape"])} if "shape" in v else {}) | v)
 
     return [(n, {k: change(a.get(k), v) for k, v in c.items()}, r) for n, r, c in table]
@@ -287,10 +289,65 @@ def select_layouts(a: dict) -> list:
     # fmt: on
 
 
+def scores_layouts(a: dict) -> list:
+    """A contiguous FP8 e4m3 query, 16-byte aligned; a uint8 cache of dense
+    pages (132-byte rows) 16-byte aligned and a 16-byte multiple apart; FP32
+    weights and an FP32 ``out`` of unit column stride; contiguous int32
+    lengths; an int32 block table of unit column stride; no ``indices``."""
+    q, c, w, n, b, o = "q", "kv_cache", "weights", "seq_lens", "block_table", "out"
+    values, kv = a[q][0], a[c]
+    entries, next_n, heads, dim = values.shape
+    blocks, block, _, row = kv.shape
+    page, width = kv.stride(0), a[o].shape[1]
+    rows_ = entries * next_n
+    pages = dict(shape=kv.shape)
+    # fmt: off
+    return rows(a, [
+        ("q e5m2", q, {q: dict(dtype=torch.float8_e5m2)}),
+        ("q int8", q, {q: dict(dtype=torch.int8)}),
+        ("q heads apart + 16", q,
+         {q: dict(stride=(next_n * (heads * dim + 16), heads * dim + 16, dim, 1))}),
+        ("q 8 bytes in", q, {q: dict(offset=8)}),
+        ("q 16 bytes in", None, {q: dict(offset=16)}),
+        ("kv int8", c, {c: dict(dtype=torch.int8)}),
+        ("kv 3-d", c, {c: dict(shape=(blocks, block, row), stride=(page, row, 1))}),
+        ("kv rows 136 apart", c, {c: pages | dict(stride=(page, 136, 136, 1))}),
+        ("kv pages + 4 apart", c, {c: pages | dict(stride=(page + 4, row, row, 1))}),
+        ("kv pages + 16 apart", None,
+         {c: pages | dict(stride=(page + 16, row, row, 1))}),
+        ("kv pages overlapping", c,
+         {c: pages | dict(stride=(page - 16, row, row, 1))}),
+        ("kv 4 bytes in", c, {c: dict(offset=4)}),
+        ("kv 16 bytes in", None, {c: dict(offset=16)}),
+        ("weights bf16", w, {w: dict(dtype=BF16)}),
+        ("weights column stride 2", w, {w: dict(stride=(2 * heads, 2))}),
+        ("weights rows padded", None, {w: dict(stride=(heads + 4, 1), offset=1)}),
+        ("seq_lens int64", n, {n: dict(dtype=I64)}),
+        ("seq_lens strided", n, {n: dict(stride=(2 * next_n, 2))}),
+        ("seq_lens 1-d", n, {n: dict(shape=(rows_,))}),
+        ("table int64", b, {b: dict(dtype=I64)}),
+        ("table column stride 2", b, {b: dict(stride=(2 * a[b].shape[1], 2))}),
+        ("table rows padded", None, {b: dict(stride=(a[b].shape[1] + 3, 1), offset=1)}),
+        ("out bf16", o, {o: dict(dtype=BF16)}),
+        ("out column stride 2", o, {o: dict(stride=(2 * width, 2))}),
+        ("out rows overlapping", o, {o: dict(stride=(width - 1, 1))}),
+        ("out rows padded", None, {o: dict(stride=(width + 256, 1))}),
+        ("out left out", None, {o: None}),
+        ("indices given", "indices",
+         {"indices": torch.zeros(rows_, dtype=I32, device=a[n].device)}),
+        ("no entries", None,
+         {q: dict(shape=(0, next_n, heads, dim)), w: dict(shape=(0, heads)),
+          n: dict(shape=(0, next_n)), b: dict(shape=(0, a[b].shape[1])),
+          o: dict(shape=(0, width))}),
+    ])
+    # fmt: on
+
+
 LAYOUTS = {
     "UpdateKernel": update_layouts,
     "ExpandKernel": expand_layouts,
     "RemapKernel": remap_layouts,
     "UpcastKernel": upcast_layouts,
     "SelectKernel": select_layouts,
+    "ScoresKernel": scores_layouts,
 }

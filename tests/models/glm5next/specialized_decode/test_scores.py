@@ -21,6 +21,12 @@ import pytest
 import torch
 from kernel_ptx import compile_ptx, ops, resources
 from kpool_fuzz import FUZZ_REPORT, fuzz_seed
+from rule_edges import (
+    declared_disagreements,
+    devices_named,
+    missing,
+    shape_disagreements,
+)
 
 from vllm.model_executor.warmup.jit_warmup import WarmupChoices
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common.host import (
@@ -152,6 +158,81 @@ def test_scores_rule_refuses_by_name(on_cuda, argument, change):
     args = _meta_args()
     change(args)
     assert _refused_argument(args) == argument
+
+
+def rule(a: dict) -> str | None:
+    """The scores' rule on shapes and scalars, as its messages state it: no
+    ``indices``; a ``(values, None)`` query of [entries, next_n in NEXT_N,
+    heads in HEADS, 128] FP8, contiguous; a cache of [blocks, block in
+    BLOCKS, 1, 132] dense pages; weights [entries * next_n, heads]; lengths
+    [entries, next_n], contiguous; a block table of entries rows; an int
+    ``max_model_len`` in [1, 2^31 - 64); ``out`` (optional) of [entries *
+    next_n, max_model_len], rows no closer than its width."""
+    if a.get("indices") is not None:
+        return "indices"
+    q = a["q"]
+    if not isinstance(q, tuple) or len(q) != 2 or q[1] is not None:
+        return "q"
+    names = ("q", "kv_cache", "weights", "seq_lens", "block_table", "out")
+    named = devices_named(a | {"q": q[0]}, names, optional=("out",))
+    if named:
+        return named
+    values, kv = q[0], a["kv_cache"]
+    if (
+        values.dim() != 4
+        or values.shape[1] not in NEXT_N
+        or values.shape[2] not in HEADS
+        or values.shape[3] != DIM
+        or not values.is_contiguous()
+    ):
+        return "q"
+    entries, next_n, heads, _ = values.shape
+    if (
+        kv.dim() != 4
+        or kv.shape[1] not in BLOCKS
+        or kv.shape[2:] != (1, DIM + 4)
+        or kv.stride()[1:] != (DIM + 4, DIM + 4, 1)
+        or kv.stride(0) < kv.shape[1] * (DIM + 4)
+    ):
+        return "kv_cache"
+    if a["weights"].shape != (entries * next_n, heads):
+        return "weights"
+    lens = a["seq_lens"]
+    if lens.shape != (entries, next_n) or not lens.is_contiguous():
+        return "seq_lens"
+    if a["block_table"].dim() != 2 or a["block_table"].shape[0] != entries:
+        return "block_table"
+    width = a["max_model_len"]
+    if type(width) is not int or not 1 <= width < 2**31 - 64:
+        return "max_model_len"
+    out = a["out"]
+    if out is not None and (
+        out.shape != (entries * next_n, width) or out.stride(0) < width
+    ):
+        return "out"
+    return None
+
+
+def test_rule_at_its_edges():
+    """Each dimension of each tensor (the query's values too) one below, at
+    and one above its size and the head counts, page sizes and next_n the
+    rule takes; ``max_model_len`` at its neighbours, 0, the int32 edges, a
+    bool and a float; the type and device checks: refused exactly where
+    ``rule`` says, naming the argument."""
+    assert shape_disagreements(SCORES, rule) == []
+
+
+@pytest.mark.parametrize(
+    "name", ["q", "kv_cache", "weights", "seq_lens", "block_table"]
+)
+def test_a_missing_tensor_is_refused(name):
+    assert missing(SCORES, name) == []
+
+
+def test_rule_on_layouts_and_dtypes():
+    """The layouts of ``rule_layouts.py`` and each tensor in float64:
+    refused naming the argument they declare, or taken."""
+    assert declared_disagreements(SCORES) == []
 
 
 def test_scores_rule_wants_cuda_tensors():

@@ -101,7 +101,8 @@ def check(
     ):
         raise mismatch(
             "weights",
-            f"fp32 [{entries * next_n}, {heads}], unit column stride",
+            f"fp32 [entries * next_n = {entries * next_n}, heads = {heads}], "
+            "unit column stride",
             layout(weights),
         )
     if (
@@ -110,7 +111,9 @@ def check(
         or not seq_lens.is_contiguous()
     ):
         raise mismatch(
-            "seq_lens", f"contiguous int32 [{entries}, {next_n}]", layout(seq_lens)
+            "seq_lens",
+            f"contiguous int32 [entries = {entries}, next_n = {next_n}]",
+            layout(seq_lens),
         )
     if (
         block_table.dtype != torch.int32
@@ -120,11 +123,19 @@ def check(
     ):
         raise mismatch(
             "block_table",
-            f"int32 [{entries}, max_blocks], unit column stride",
+            f"int32 [entries = {entries}, max_blocks], unit column stride",
             layout(block_table),
         )
-    if not isinstance(max_model_len, int) or not 1 <= max_model_len < 2**31 - TILE:
-        raise mismatch("max_model_len", "a positive int32", max_model_len)
+    if (
+        not isinstance(max_model_len, int)
+        or isinstance(max_model_len, bool)
+        or not 1 <= max_model_len < 2**31 - TILE
+    ):
+        raise mismatch(
+            "max_model_len",
+            f"an int in [1, {2**31 - TILE}) (not a bool)",
+            max_model_len,
+        )
     if out is not None and (
         out.dtype != torch.float32
         or tuple(out.shape) != (entries * next_n, max_model_len)
@@ -133,7 +144,8 @@ def check(
     ):
         raise mismatch(
             "out",
-            f"fp32 [{entries * next_n}, {max_model_len}], unit column stride",
+            f"fp32 [entries * next_n = {entries * next_n}, max_model_len = "
+            f"{max_model_len}], unit column stride, rows apart by the width or more",
             layout(out),
         )
 
