@@ -62,7 +62,7 @@ class Plan:
     step_rows: tuple = (1, 4, 8, 32, 64)  # requests of the step cases
     step_next_n: tuple = (1, 2)
     step_pools: tuple = (4096, 16384, 65536, 131072, 262144)
-    step_heads: tuple = (32,)  # GLM-5-Next's 16 index heads as vLLM pads them
+    step_heads: tuple = (32,)  # GLM-5-Next's INDEX_HEADS as vLLM pads them
     rep_ms: float = 5.0  # ms of calls a graph
     eager_calls: int = 50  # calls a timing
     eager_repeats: int = 7  # timings a side
@@ -179,13 +179,19 @@ def topk_inputs(rows, dev, gen, positions=None, tokens=1 << 18) -> dict:
     )
 
 
+# GLM-5-Next's index heads; vLLM zero-pads them to 32 for DeepGEMM, and the
+# stage hands our scores views of the real ones.
+INDEX_HEADS = 16
+
+
 def score_inputs(requests, next_n, heads, ends, dev, gen) -> dict:
     """DeepGEMM's paged scores' arguments on SM90 (FP32 scales) for
     ``requests`` x ``next_n`` rows ending at ``ends`` pools: FP8 queries
     (their scale folded into the FP32 weights, as the indexer does), each
     request's pages of ``BLOCK`` pools in random places of the cache (a page:
     its FP8 keys, then their FP32 scales), its block table, the 2-D pool
-    lengths and DeepGEMM's schedule for them."""
+    lengths and DeepGEMM's schedule for them. The heads past ``INDEX_HEADS``
+    are zero, as vLLM pads them."""
     g = dict(device=dev, generator=gen)
     pages = -(-int(ends.max()) // BLOCK)
     table = torch.randperm(requests * pages, **g).view(requests, pages).int()
@@ -195,6 +201,8 @@ def score_inputs(requests, next_n, heads, ends, dev, gen) -> dict:
     cache[:, BLOCK * DIM :] = scales.view(torch.uint8)
     lens = ends.view(requests, next_n)
     q = torch.randn(requests, next_n, heads, DIM, **g).to(torch.float8_e4m3fn)
+    weights = torch.rand(requests * next_n, heads, **g) * 0.1
+    q[:, :, INDEX_HEADS:], weights[:, INDEX_HEADS:] = 0, 0
     sms = (
         torch.cuda.get_device_properties(dev).multi_processor_count
         if dev.type == "cuda"
@@ -203,7 +211,7 @@ def score_inputs(requests, next_n, heads, ends, dev, gen) -> dict:
     return dict(
         q=(q, None),
         kv_cache=cache.view(-1, BLOCK, 1, DIM + 4),
-        weights=torch.rand(requests * next_n, heads, **g) * 0.1,
+        weights=weights,
         context_lens=lens,
         block_table=table,
         schedule_meta=K.deep_gemm.get_paged_mqa_logits_metadata(
@@ -295,8 +303,10 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
         t = topk_inputs(rows * n, dev, gen, e.to(torch.int64) * POOL + 2, pools * POOL)
         max_seq_len, lens = POOL * pools, s["context_lens"]
         scores = p(K.deep_gemm.fp8_fp4_paged_mqa_logits, **s, max_context_len=pools)
-        ours_scores = p(K.scores, q=s["q"], kv_cache=s["kv_cache"], seq_lens=lens,
-                        weights=s["weights"], block_table=s["block_table"],
+        real = min(case["heads"], INDEX_HEADS)  # as the stage hands them on
+        ours_scores = p(K.scores, q=(s["q"][0][:, :, :real], None),
+                        kv_cache=s["kv_cache"], seq_lens=lens,
+                        weights=s["weights"][:, :real], block_table=s["block_table"],
                         max_model_len=pools)
 
         def stock():  # as_fp32_logits returns SM90's FP32 scores as they are

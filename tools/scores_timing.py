@@ -8,8 +8,11 @@ works) and a copy of the cache rows' bytes, on the GPU machine
 One CUDA graph holds ``sets`` calls, each on its own inputs, enough sets to
 cycle 256 MB: "cold" takes them in turn, so each call reads its rows from
 HBM as a decode step does (each layer's cache once a step); "warm" repeats
-the first, which the L2 holds up to ~50 MB. Prints one JSON line a size
-and the time of a 1 GiB copy (docs/scores-cold-h200.json)."""
+the first, which the L2 holds up to ~50 MB. GLM-5-Next's 16 index heads
+come as serving hands them (``--index-heads``): DeepGEMM gets vLLM's zero
+padding to ``--heads``, ours views of the real ones, as the stage passes
+them; ``same`` says whether ours wrote DeepGEMM's bytes. Prints one JSON
+line a size and the time of a 1 GiB copy (docs/scores-cold-h200.json)."""
 
 import argparse
 import json
@@ -39,8 +42,9 @@ def _load():
     return SCORES, deep_gemm
 
 
-def _inputs(entries, pools, heads, next_n, block, gen):
-    """``entries`` entries of ``pools`` pools, pages in a random order."""
+def _inputs(entries, pools, heads, next_n, block, gen, real):
+    """``entries`` entries of ``pools`` pools, pages in a random order; the
+    query's and weights' heads past ``real`` zero."""
     pages = -(-pools // block)
     blocks = entries * pages
     u8 = dict(dtype=torch.uint8, device="cuda", generator=gen)
@@ -49,10 +53,12 @@ def _inputs(entries, pools, heads, next_n, block, gen):
     cache[:, block * DIM :] = scales.view(torch.uint8).view(blocks, -1)
     order = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
     q = torch.randint(0, 120, (entries, next_n, heads, DIM), **u8)
+    weights = torch.randn(entries * next_n, heads, device="cuda", generator=gen)
+    q[:, :, real:], weights[:, real:] = 0, 0
     return dict(
         q=(q.view(torch.float8_e4m3fn), None),
         kv_cache=cache.view(blocks, block, 1, DIM + 4),
-        weights=torch.randn(entries * next_n, heads, device="cuda", generator=gen),
+        weights=weights,
         seq_lens=torch.full((entries, next_n), pools, dtype=torch.int32, device="cuda"),
         block_table=order.view(entries, pages),
         max_model_len=pools,
@@ -70,15 +76,24 @@ def _us(calls, rep_ms) -> float:
     return do_bench_cudagraph(run, rep=rep_ms) * 1e3 / len(calls)
 
 
-def row(scores, deep_gemm, entries, pools, heads, next_n, block, rep_ms) -> dict:
+def _real(a: dict, real: int) -> dict:
+    """``a`` as the stage hands it to ``SCORES``: the first ``real`` heads."""
+    (q, scales), weights = a["q"], a["weights"]
+    return a | dict(q=(q[:, :, :real], scales), weights=weights[:, :real])
+
+
+def row(scores, deep_gemm, entries, pools, heads, next_n, block, rep_ms, real):
     nbytes = entries * pools * BYTES_PER_POOL
     sets = max(1, min(64, -(-CYCLE // nbytes)))
     gen = torch.Generator("cuda").manual_seed(entries * 1000003 + pools)
-    inputs = [_inputs(entries, pools, heads, next_n, block, gen) for _ in range(sets)]
-    out = dict(entries=entries, pools=pools, heads=heads, next_n=next_n,
-               block=block, sets=sets, mb=nbytes / 2**20)  # fmt: skip
-    ours = [lambda a=a: scores(**a) for a in inputs]
-    ours[0]()  # compiles, untimed
+    inputs = [
+        _inputs(entries, pools, heads, next_n, block, gen, real) for _ in range(sets)
+    ]
+    out = dict(entries=entries, pools=pools, heads=heads, index_heads=real,
+               next_n=next_n, block=block, sets=sets, mb=nbytes / 2**20)  # fmt: skip
+    handed = [_real(a, real) for a in inputs]
+    ours = [lambda a=a: scores(**a) for a in handed]
+    first = ours[0]()  # compiles, untimed
     out["ours_warm"], out["ours_cold"] = _us(ours[:1] * sets, rep_ms), _us(ours, rep_ms)
     if deep_gemm is not None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -93,7 +108,8 @@ def row(scores, deep_gemm, entries, pools, heads, next_n, block, rep_ms) -> dict
 
         calls = [theirs(a) for a in inputs]
         try:
-            calls[0]()
+            bits = calls[0]().view(torch.int32)[:, :pools]
+            out["same"] = torch.equal(bits, first.view(torch.int32)[:, :pools])
             out["dg_warm"] = _us(calls[:1] * sets, rep_ms)
             out["dg_cold"] = _us(calls, rep_ms)
         except RuntimeError as error:
@@ -111,6 +127,8 @@ def main() -> None:
     parser.add_argument("--entries", type=int, nargs="+", default=[1, 4, 8, 32, 64])
     parser.add_argument("--pools", type=int, nargs="+", default=[4096, 65536, 262144])
     parser.add_argument("--heads", type=int, nargs="+", default=[32])
+    parser.add_argument("--index-heads", type=int, default=16,
+                        help="the real heads of --heads (0: all)")  # fmt: skip
     parser.add_argument("--next-n", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--max-bytes", type=float, default=600e6,
@@ -124,8 +142,9 @@ def main() -> None:
                 for pools in a.pools:
                     if entries * pools * BYTES_PER_POOL > a.max_bytes:
                         continue
+                    real = min(a.index_heads or heads, heads)
                     r = row(scores, deep_gemm, entries, pools, heads, next_n,
-                            a.block, a.rep_ms)  # fmt: skip
+                            a.block, a.rep_ms, real)  # fmt: skip
                     print(json.dumps(r), flush=True)
                     torch.cuda.empty_cache()
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")

@@ -187,7 +187,8 @@ def test_both_sides_take_every_case_s_inputs(spec_only):
             assert keys.keys() == {"SELECT", "REMAP", "SCORES"} and keys["REMAP"].counts
             assert keys["SELECT"].dtype == torch.float32
             scores_key = keys["SCORES"]
-            assert (scores_key.heads, scores_key.next_n) == (32, case["next_n"])
+            # GLM-5-Next's 16 heads of the 32 vLLM pads them to, as the stage.
+            assert (scores_key.heads, scores_key.next_n) == (16, case["next_n"])
             assert scores_key.block == bench.BLOCK
             for scores in extra["alone"]:
                 assert scores().shape == (2 * case["next_n"], 4096)

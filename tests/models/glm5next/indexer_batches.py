@@ -42,7 +42,8 @@ class Geometry:
     """Model and cache sizes (GLM-5-Next: kpool 4, index head dim 128)."""
 
     layers: int = 3
-    heads: int = 16  # indexer query heads
+    heads: int = 16  # indexer query heads (as the indexer op gets them)
+    index_heads: int = 0  # the model's own, zero-padded to ``heads`` (0: all)
     topk: int = 2048  # index_topk, in tokens
     block: int = 64  # tokens per KV block (MLA and indexer caches)
     ring: int = 8  # the tail cache's block size

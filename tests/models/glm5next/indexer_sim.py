@@ -469,11 +469,15 @@ class Sim:
         )
 
     def fill(self, rows: int) -> None:
-        """Fresh random inputs for ``rows`` rows of every layer."""
+        """Fresh random inputs for ``rows`` rows of every layer (the query's
+        and weights' heads past the indexer's own zero, as vLLM pads them)."""
+        real = self.geo.index_heads or self.geo.heads
         for name, x in vars(self.source).items():
             shape, gen = x[:, :rows].shape, self.gen
             values = torch.randn(shape, generator=gen, device=self.device)
             x[:, :rows] = (values * (8 if name == "q" else 1)).to(x.dtype)
+            if name in ("q", "w"):
+                x[:, :rows, real:] = 0
 
 
 class Model:
@@ -539,7 +543,7 @@ class Model:
                     tail_cache=NS(prefix=tail_prefix, kv_cache=self.tail[layer]),
                     topk_indices_buffer=self.buffer, topk_tokens=geo.topk,
                     scale_fmt=geo.scale_fmt, max_pool_len=geo.max_pool_len,
-                    n_head=geo.heads,
+                    n_head=geo.index_heads or geo.heads,
                 ),
                 mla_attn=NS(mla_attn=mla),
             ))  # fmt: skip
@@ -790,19 +794,23 @@ CPU_WORK = Workload(
 )  # fmt: skip
 
 
-# The opt-in scores' runs: heads as vLLM pads GLM-5-Next's 16 for DeepGEMM,
-# pages of 64 pools (256-token blocks; DeepGEMM takes 32 or 64), MLA blocks
-# laid further apart than their rows.
-SCORES_GEOMETRY = Geometry(heads=32, block=256, mla_block_rows=320)
-CPU_SCORES_GEOMETRY = replace(CPU_GEOMETRY, heads=32, block=128, mla_block_rows=160)
+# The opt-in scores' runs: GLM-5-Next's 16 heads as vLLM pads them to 32 for
+# DeepGEMM (the stage scores the 16), pages of 64 pools (256-token blocks;
+# DeepGEMM takes 32 or 64), MLA blocks laid further apart than their rows.
+SCORES_GEOMETRY = Geometry(heads=32, index_heads=16, block=256, mla_block_rows=320)
+CPU_SCORES_GEOMETRY = replace(
+    CPU_GEOMETRY, heads=32, index_heads=16, block=128, mla_block_rows=160
+)
 
 
 def scores_reach(cfg) -> bool:
     """Whether the opt-in scores can run on ``cfg``'s backend and geometry."""
     geo = cfg.geo
+    heads = scores_launch.served_heads(geo.index_heads or geo.heads)
     return (
         not BACKENDS[cfg.backend].mx
-        and geo.heads in scores_launch.HEADS
+        and heads is not None
+        and heads <= geo.heads
         and geo.page in scores_launch.BLOCKS
     )
 
@@ -890,7 +898,8 @@ class Run:
             raise ValueError(f"stages {cfg.stages} in mode {cfg.mode}: 1, or 2 eager")
         if cfg.scores and not scores_reach(cfg):
             raise ValueError(
-                f"scores on {cfg.backend} with {cfg.geo.heads} heads and pages of "
+                f"scores on {cfg.backend} with {cfg.geo.index_heads or cfg.geo.heads} "
+                f"heads in {cfg.geo.heads} and pages of "
                 f"{cfg.geo.page} pools: the kernel takes FP32 scales (SM90 paths), "
                 f"heads in {scores_launch.HEADS}, pages in {scores_launch.BLOCKS}"
             )
@@ -1079,13 +1088,17 @@ class Step:
     scale_fmt: str | None = "ue8m0"
     stride_rows: int = 64
     first_layer: int = 0
+    block: int = 64  # tokens a cache page
+    heads: int = 4  # the indexer op's (``Geometry.heads``)
+    index_heads: int = 0  # the model's, zero-padded to ``heads`` (0: all)
     tokens = property(lambda s: sum(s.q_lens) + s.prefill)
 
     def geometry(self) -> Geometry:
         longest = max(c + q for c, q in zip(self.ctx, self.q_lens, strict=True))
         length = max(512, -(-longest // 64) * 64)
         return Geometry(
-            layers=1, heads=4, topk=self.topk, max_model_len=length,
+            layers=1, block=self.block, heads=self.heads, index_heads=self.index_heads,
+            topk=self.topk, max_model_len=length,
             max_reqs=len(self.q_lens) + 2, max_tokens=self.tokens + self.pad_rows + 4,
             mla_block_rows=self.stride_rows, key_stride=self.key_stride,
             scale_fmt=self.scale_fmt, buffer_width=self.width,

@@ -313,6 +313,26 @@ def test_scores_opted_in(monkeypatch, bench, step, answer):
     assert_same(b.stock(), got, b.fwd)
 
 
+def test_scores_take_the_real_heads_of_padded_ones(monkeypatch, bench):
+    """vLLM pads GLM-5-Next's 16 index heads to 32 with zeros: the kernel
+    gets views of the first 16 of the query and the weights (its key's 16
+    heads), DeepGEMM, where the kernel answers ``STOCK``, the padded 32."""
+    pages = dict(block=128, stride_rows=160)  # 32-pool pages, which it takes
+    step = Step([2, 2], [157, 210], heads=32, index_heads=16, seed=48, **pages)
+    b = bench(step, scores=True)
+    assert {key.heads for key in b.spies.compiled["scores"]} == {16}
+    on = Scores(monkeypatch, b.stage, STOCK)
+    got = b.run()
+    [served], [(args, _)] = on.served, on.stock
+    (values, scales), (padded, _) = served["q"], args[0]
+    assert values.shape[2] == 16 and padded.shape[2] == 32 and scales is None
+    assert values.data_ptr() == padded.data_ptr()
+    assert values.stride() == padded.stride()
+    assert torch.equal(served["weights"], args[2][:, :16])
+    assert args[2].shape[1] == 32 and not padded[:, :, 16:].float().any()
+    assert_same(b.stock(), got, b.fwd)
+
+
 def test_scores_not_taken_run_deepgemm(bench):
     """The simulator's 4-head queries and 16-pool pages are no key the
     warmup lists and the kernel's rule refuses: DeepGEMM's scores, stock's

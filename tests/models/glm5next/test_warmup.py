@@ -258,18 +258,20 @@ def scores_keys(stage, layer) -> list:
 
 
 @pytest.mark.parametrize(
-    "heads, padded", [(16, 32), (32, 32), (64, 64)], ids=["16", "32", "64"]
+    "heads, served", [(8, 32), (16, 16), (32, 32), (64, 64)], ids=str
 )
 @pytest.mark.parametrize("spec, next_n", [(0, [1]), (1, [1, 2]), (3, [1, 2, 3, 4])])
-def test_scores_keys_are_each_next_n_it_runs(heads, padded, spec, next_n):
-    """``kpool_scores``: a key for the heads DeepGEMM gets (16 zero-padded
-    to 32), each next_n from 1 to 1 + the speculative tokens, the page."""
+def test_scores_keys_are_each_next_n_it_runs(heads, served, spec, next_n):
+    """``kpool_scores``: a key for the indexer's own heads where the kernel
+    takes them (16: the stage hands it the real ones of vLLM's padded 32),
+    else the 32 vLLM pads them to; each next_n from 1 to 1 + the
+    speculative tokens; the page."""
     stage = SimpleNamespace(
         mx_scales=False, select=False, fuse=True, max_rows=8, scores=True,
         next_n=1 + spec,
     )  # fmt: skip
     keys = scores_keys(stage, _layer(65536, page=64, heads=heads))
-    assert sorted(keys, key=repr) == [SCORES.CompileKey(padded, n, 64) for n in next_n]
+    assert sorted(keys, key=repr) == [SCORES.CompileKey(served, n, 64) for n in next_n]
 
 
 def test_scores_keys_stop_at_what_the_kernels_take(monkeypatch):

@@ -10,7 +10,8 @@ no spills). GPU: randomized steps over heads {16, 32, 64}, next_n 1 to 4,
 1 to 256 entries (zero, short and long contexts, block tables wider than
 needed and filled past the entry's pages with ids no cache has), against a
 float64 reference written here from the definition (max error relative to
-the terms' magnitude, and in ulps of the value), and, where ``import
+the terms' magnitude, and in ulps of the value), the query and weights as
+views of more heads (vLLM's zero padding), and, where ``import
 deep_gemm`` works (SM90 takes next_n 1, 2 and 4, heads 32 and 64, 16 heads
 zero-padded to 32 as vLLM pads them), against DeepGEMM's bytes below each
 entry's context, with the share of rows whose top-512 set differs."""
@@ -52,6 +53,7 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch import
 FP8, F32, I32, U8 = torch.float8_e4m3fn, torch.float32, torch.int32, torch.uint8
 TOPK = 512  # GLM-5-Next's index_topk 2048 / index_kpool 4
 ALL_KEYS = [SCORES.CompileKey(h, n, b) for h in HEADS for n in NEXT_N for b in BLOCKS]
+TMA = ".shared::cta.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
 
 
 # --- CPU: the rule, the split, the keys, the PTX ----------------------------
@@ -163,7 +165,8 @@ def test_scores_rule_refuses_by_name(on_cuda, argument, change):
 def rule(a: dict) -> str | None:
     """The scores' rule on shapes and scalars, as its messages state it: no
     ``indices``; a ``(values, None)`` query of [entries, next_n in NEXT_N,
-    heads in HEADS, 128] FP8, contiguous; a cache of [blocks, block in
+    heads in HEADS, 128] FP8, each head's 128 bytes one after the other and
+    the other strides positive multiples of 16 bytes; a cache of [blocks, block in
     BLOCKS, 1, 132] dense pages; weights [entries * next_n, heads]; lengths
     [entries, next_n], contiguous; a block table of entries rows; an int
     ``max_model_len`` in [1, 2^31 - 64); ``out`` (optional) of [entries *
@@ -183,7 +186,10 @@ def rule(a: dict) -> str | None:
         or values.shape[1] not in NEXT_N
         or values.shape[2] not in HEADS
         or values.shape[3] != DIM
-        or not values.is_contiguous()
+        or values.stride()[2:] != (DIM, 1)
+        or min(values.stride()[:2]) <= 0
+        or values.stride(0) % 16
+        or values.stride(1) % 16
     ):
         return "q"
     entries, next_n, heads, _ = values.shape
@@ -271,8 +277,8 @@ def test_scores_warmup_keys():
 def test_scores_ptx(key):
     """sm_90a: four m64nNk32 e4m3 wgmmas a tile (N = next_n x heads), the
     first not accumulating; the head sum's FMAs as DeepGEMM's epilogue
-    (``next_n x 4 x (heads / 8 - 1)``); TMA copies; one PDL wait; no spills,
-    two CTAs an SM by registers."""
+    (``next_n x 4 x (heads / 8 - 1)``); TMA copies (the query a row at a
+    time); one PDL wait; no spills, two CTAs an SM by registers."""
     text = compile_ptx(SCORES, key, "sm_90a")
     count = ops(text)
     n = key.next_n * key.heads
@@ -281,7 +287,11 @@ def test_scores_ptx(key):
     assert count["fma.rn.f32"] == key.next_n * 4 * (key.heads // 8 - 1)
     assert count["griddepcontrol.wait"] == 1
     assert count["griddepcontrol.launch_dependents"] == 1
-    assert any(k.startswith("cp.async.bulk.tensor.3d") for k in count)
+    # TMA: a (heads, 128) slab of the query a row of next_n (its own strides:
+    # a view of vLLM's padded heads), then a tile's pages and their scales.
+    copies = sum(v for k, v in count.items() if k.startswith("cp.async.bulk.tensor"))
+    assert copies == key.next_n + 2 * (64 // key.block), count
+    assert count[f"cp.async.bulk.tensor.4d{TMA}"] == key.next_n * (key.next_n > 1)
     registers, spilled = resources(text, "sm_90a")
     assert spilled == 0 and registers * THREADS * 2 <= 65536, (registers, spilled)
 
@@ -325,11 +335,16 @@ def _step(rng: random.Random, heads, next_n, block, entries, device, past=2**30)
     cache = torch.empty(blocks, block * (DIM + 4), dtype=U8, device=device)
     cache[:, : block * DIM] = k_fp8.view(U8).view(blocks, -1)
     cache[:, block * DIM :] = scale.view(U8).view(blocks, -1)
-    q = torch.randn(entries, next_n, heads, DIM, generator=gen, device=device)
+    # The query and weights as views of more heads (zero past ``heads``):
+    # vLLM's padding of 16 to 32, else in half the steps 16 more.
+    padded = 32 if heads < 32 else heads + 16 * (rng.random() < 0.5)
+    q = torch.randn(entries, next_n, padded, DIM, generator=gen, device=device)
     q = (q * 50).clamp(-448, 448).to(FP8)
-    weights = (
-        torch.randn(entries * next_n, heads, generator=gen, device=device) * heads**-0.5
-    )
+    q[:, :, heads:] = 0
+    weights = torch.randn(entries * next_n, padded, generator=gen, device=device)
+    weights = weights * heads**-0.5
+    weights[:, heads:] = 0
+    q, weights = q[:, :, :heads], weights[:, :heads]
     last = torch.tensor(lengths, dtype=I32, device=device)
     offsets = torch.arange(next_n - 1, -1, -1, dtype=I32, device=device)
     seq_lens = (last[:, None] - offsets).clamp(min=0).contiguous()
@@ -390,12 +405,14 @@ def _deep_gemm():
 
 
 def _deep_gemm_logits(deep_gemm, args):
-    """DeepGEMM's logits, 16 heads zero-padded to 32 as vLLM pads them."""
+    """DeepGEMM's logits, 16 heads zero-padded to 32 as vLLM pads them (its
+    own contiguous copies)."""
     q, _ = args["q"]
     weights = args["weights"]
     if q.shape[2] == 16:
         q = torch.cat([q, torch.zeros_like(q)], dim=2)
         weights = torch.cat([weights, torch.zeros_like(weights)], dim=1)
+    q, weights = q.contiguous(), weights.contiguous()
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     next_n = q.shape[1]
     slots = sms // 2 if next_n == 4 else sms

@@ -517,7 +517,9 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     FP32 weights (the upper half of the heads zero, as vLLM pads them, in
     some), contexts of 1 to 6000 pools whose next_n rows end one pool apart,
     ``max_model_len`` a bit above the longest, ``out`` on DeepGEMM's row
-    stride. Stock's bytes below each entry's context, the rest untouched."""
+    stride. Fewer than 32 heads come as the stage hands them on: views of
+    the first heads of vLLM's zero-padded 32, which DeepGEMM scores. Stock's
+    bytes below each entry's context, the rest untouched."""
     g = dict(generator=gen, device=gen.device)
     entries = rng.choice([1, 2, 3, 8, 16, rng.randint(1, 16)])
     # Never 0: DeepGEMM's SM90 kernel scores some pages of the entry after a
@@ -526,13 +528,14 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     limits = [70, 600, 4000, 6000]
     contexts = [rng.randint(1, rng.choice(limits)) for _ in range(entries)]
     next_n, heads = key.next_n, key.heads
+    padded = max(heads, 32)
     width = max(contexts) + rng.randint(0, 300)
     kv_cache, table = _paged_cache(contexts, key.block, width, rng, gen)
-    q = _fp8((entries, next_n, heads, DIM), gen)
-    weights = torch.randn(entries * next_n, heads, **g) * heads**-0.5
-    if rng.random() < 0.3:
-        q[:, :, heads // 2 :] = 0
-        weights[:, heads // 2 :] = 0
+    q = _fp8((entries, next_n, padded, DIM), gen)
+    weights = torch.randn(entries * next_n, padded, **g) * heads**-0.5
+    zero = heads if heads < padded else heads // 2 if rng.random() < 0.3 else padded
+    q[:, :, zero:] = 0
+    weights[:, zero:] = 0
     last = torch.tensor(contexts, dtype=torch.int32, device=gen.device)
     ahead = torch.arange(next_n - 1, -1, -1, dtype=torch.int32, device=gen.device)
     seq_lens = (last[:, None] - ahead).clamp(min=0).contiguous()
@@ -541,6 +544,7 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
         block_table=table, max_model_len=width,
     )  # fmt: skip
     stock = deep_gemm_scores(arguments).view(torch.int32)
+    arguments |= dict(q=(q[:, :, :heads], None), weights=weights[:, :heads])
     out = poisoned((entries * next_n, row_stride(width)), torch.float32, gen)
     want = out.clone()
     ends = last.clamp(max=width).repeat_interleave(next_n)

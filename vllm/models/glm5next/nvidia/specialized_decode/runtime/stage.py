@@ -23,7 +23,7 @@ from ..constants import MAX_GROUPS, POOL
 from ..cutedsl.common.host import STOCK, Refused
 from ..cutedsl.expand.launch import ExpandKernel
 from ..cutedsl.remap.launch import RemapKernel, check_shape
-from ..cutedsl.scores.launch import ScoresKernel
+from ..cutedsl.scores.launch import ScoresKernel, served_heads
 from ..cutedsl.select.launch import SelectKernel, one_wave, sm_count
 from ..cutedsl.upcast.launch import UpcastKernel
 from ..cutedsl.update.launch import UpdateKernel
@@ -96,9 +96,14 @@ class LayerStep:
         in (``kpool_scores``) and the kernel takes the call, the opt-in
         scores, whose rows hold DeepGEMM's logits below each entry's context
         (all that the step reads of them), else DeepGEMM's."""
-        if self.stage.scores:
-            logits = self.stage.kernels.scores.serve(
-                q=q, kv_cache=kv_cache, weights=weights, seq_lens=seq_lens,
+        stage = self.stage
+        if stage.scores:
+            ours, heads = (q, weights), stage.scores_heads
+            if heads is not None and heads < q[0].shape[2]:
+                # The real heads of vLLM's zero-padded ones (``served_heads``).
+                ours = ((q[0][:, :, :heads], q[1]), weights[:, :heads])
+            logits = stage.kernels.scores.serve(
+                q=ours[0], kv_cache=kv_cache, weights=ours[1], seq_lens=seq_lens,
                 block_table=decode.block_table, max_model_len=max_model_len,
                 indices=decode.indices,
             )  # fmt: skip
@@ -151,6 +156,10 @@ class KpoolStage:
         self.max_rows, self.mx_scales, self.select = max_rows, mx_scales, select
         self.select_one_wave = select and select_one_wave
         self.scores, self.next_n = scores, next_n
+        # The heads the opt-in scores compute of the indexer's (the layers'
+        # are alike): its real ones where vLLM pads them.
+        heads = {attn.indexer.n_head for attn in attentions} if scores else set()
+        self.scores_heads = served_heads(heads.pop()) if len(heads) == 1 else None
         self.executors: dict = {}
         self.kernels = StageKernels(
             UpdateKernel(self), ExpandKernel(self), RemapKernel(self),

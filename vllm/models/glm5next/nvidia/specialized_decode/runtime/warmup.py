@@ -17,7 +17,7 @@ from ..config import SELF_CHECK_SEED_ENV, STAGE
 from ..constants import POOL
 from ..cutedsl.expand.launch import EXPAND
 from ..cutedsl.remap.launch import REMAP
-from ..cutedsl.scores.launch import BLOCKS, HEADS, NEXT_N, SCORES
+from ..cutedsl.scores.launch import BLOCKS, NEXT_N, SCORES, served_heads
 from ..cutedsl.select.launch import SELECT
 from ..cutedsl.upcast.launch import UPCAST
 from ..cutedsl.update.launch import UPDATE
@@ -80,10 +80,9 @@ def scores_values(stage, indexer, kv) -> list[tuple[Any, dict]]:
     heads and page size (else none: DeepGEMM runs): each ``next_n`` from 1
     to the stage's that the kernel and DeepGEMM take (another runs
     DeepGEMM, or never reaches it)."""
-    # The indexer hands DeepGEMM its heads zero-padded to 32 when fewer.
-    heads = max(indexer.n_head, 32)
+    heads = served_heads(indexer.n_head)
     block = kv.shape[1]
-    if heads not in HEADS or block not in BLOCKS:
+    if heads is None or block not in BLOCKS:
         return []
     # The indexer's metadata flattens a step of a next_n DeepGEMM does not
     # take (SM90: 3) into single rows; its self-check twin would refuse it.

@@ -26,7 +26,8 @@ with the FP32 rounding of DeepGEMM's SM90 kernel, step for step:
   butterfly shuffles). With nvcc's ``--use_fast_math`` DeepGEMM's steps
   would flush FP32 denormals (``.ftz``), which these do not: the two differ
   only where a product, a sum or a logit falls below 2^-126.
-- 16 heads: as vLLM's padding of them to 32 zero heads for DeepGEMM.
+- 16 heads: as vLLM's padding of them to 32 zero heads for DeepGEMM (the
+  stage hands the kernel a view of the 16 real heads of the padded query).
 
 Columns at or past ``ctx`` (or the row width) are not written (DeepGEMM
 writes up to the next multiple of 64 values nobody reads). Each arithmetic
@@ -35,7 +36,8 @@ re-associates it.
 
 CTA ``(split, b)`` takes the contiguous tiles ``[split * per, (split + 1) *
 per)`` of entry ``b``'s ``ceil(ctx / 64)`` tiles (``per = ceil(tiles /
-splits)``). A producer warp reads the block table and issues each tile's
+splits)``). A producer warp copies the query a (heads, DIM) slab a query
+row (its own strides), then reads the block table and issues each tile's
 TMA copies (the page's FP8 rows, 128-byte swizzled, and its FP32 scales)
 into ``STAGES`` stages, refilling a stage once the consumers released it;
 the consumer warpgroup runs each tile's wgmma, releases the stage and runs
@@ -118,14 +120,18 @@ class KpoolScores:
         splits: Int32,
         stream: cuda.CUstream,
     ):
-        # q: (B, next_n, heads, DIM) FP8; kv: (blocks, block, 1, DIM + 4)
-        # bytes, the page's FP8 rows then its FP32 scales.
+        # q: (B, next_n, heads, DIM) FP8, its heads' rows consecutive (a view
+        # of vLLM's zero-padded heads takes the real ones); kv: (blocks, block,
+        # 1, DIM + 4) bytes, the page's FP8 rows then its FP32 scales.
         entries = q.shape[0]
         blocks = kv.shape[0]
         page = kv.stride[0]
         m_q = cute.make_tensor(
             q.iterator,
-            cute.make_layout((self.n, DIM, entries), stride=(DIM, 1, self.n * DIM)),
+            cute.make_layout(
+                (self.heads, DIM, self.next_n, entries),
+                stride=(DIM, 1, q.stride[1], q.stride[0]),
+            ),
         )
         m_k = cute.make_tensor(
             cute.recast_ptr(kv.iterator, dtype=Float8E4M3FN),
@@ -138,13 +144,17 @@ class KpoolScores:
         atom = warpgroup.make_smem_layout_atom(
             warpgroup.SmemLayoutAtomKind.K_SW128, Float8E4M3FN
         )
-        q_layout = cute.tile_to_shape(atom, (self.n, DIM), order=(0, 1))
+        rows_layout = cute.tile_to_shape(
+            atom, (self.heads, DIM, self.next_n), order=(0, 1, 2)
+        )
         page_layout = cute.tile_to_shape(
             atom, (self.block, DIM, STAGES * self.pages), order=(0, 1, 2)
         )
         scale_layout = cute.make_layout((self.block, STAGES * self.pages))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, g_q = cpasync.make_tiled_tma_atom(g2s, m_q, q_layout, (self.n, DIM))
+        tma_q, g_q = cpasync.make_tiled_tma_atom(
+            g2s, m_q, cute.select(rows_layout, mode=[0, 1]), (self.heads, DIM)
+        )
         tma_k, g_k = cpasync.make_tiled_tma_atom(
             g2s, m_k, cute.select(page_layout, mode=[0, 1]), (self.block, DIM)
         )
@@ -178,7 +188,7 @@ class KpoolScores:
         split, entry, _ = cute.arch.block_idx()
         splits, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        s_q, s_pages, s_tiles, s_scale, s_w, bars = self.allocate()
+        s_rows, s_q, s_pages, s_tiles, s_scale, s_w, bars = self.allocate()
         if warp == PRODUCER:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
@@ -210,7 +220,7 @@ class KpoolScores:
                 tma_q,
                 0,
                 cute.make_layout(1),
-                cute.group_modes(s_q, 0, 2),
+                cute.group_modes(s_rows, 0, 2),
                 cute.group_modes(g_q, 0, 2),
             )
             k_smem, k_gmem = cpasync.tma_partition(
@@ -248,14 +258,20 @@ class KpoolScores:
             warpgroup.SmemLayoutAtomKind.K_SW128, Float8E4M3FN
         )
         q_layout = cute.tile_to_shape(atom, (self.n, DIM), order=(0, 1))
+        rows_layout = cute.tile_to_shape(
+            atom, (self.heads, DIM, self.next_n), order=(0, 1, 2)
+        )
         page_layout = cute.tile_to_shape(
             atom, (self.block, DIM, STAGES * self.pages), order=(0, 1, 2)
         )
         tile_layout = cute.tile_to_shape(atom, (TILE, DIM, STAGES), order=(0, 1, 2))
         # The swizzle goes on the pointer, as wgmma's descriptors want it.
-        s_q = smem.allocate_tensor(
-            Float8E4M3FN, q_layout.outer, 1024, swizzle=q_layout.inner
+        # The query as the TMA writes it, a (heads, DIM) slab a query row, and
+        # as the wgmma reads it: the same bytes, (next_n x heads, DIM).
+        s_rows = smem.allocate_tensor(
+            Float8E4M3FN, rows_layout.outer, 1024, swizzle=rows_layout.inner
         )
+        s_q = cute.make_tensor(s_rows.iterator, q_layout.outer)
         s_pages = smem.allocate_tensor(
             Float8E4M3FN, page_layout.outer, 1024, swizzle=page_layout.inner
         )
@@ -267,7 +283,7 @@ class KpoolScores:
         )
         s_w = smem.allocate_tensor(Float32, cute.make_layout(self.n), 16)
         bars = smem.allocate_array(cutlass.Int64, 2 * STAGES + 1)
-        return s_q, s_pages, s_tiles, s_scale, s_w, bars
+        return s_rows, s_q, s_pages, s_tiles, s_scale, s_w, bars
 
     @cute.jit
     def produce(
@@ -280,7 +296,8 @@ class KpoolScores:
         query = bars + 2 * STAGES
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(query, self.n * DIM)
-        cute.copy(tma_q, q_gmem[None, entry], q_smem, tma_bar_ptr=query)
+        for i in cutlass.range_constexpr(self.next_n):
+            cute.copy(tma_q, q_gmem[None, i, entry], q_smem[None, i], tma_bar_ptr=query)
         window = Int32(0)
         for t in cutlass.range(first, last, unroll=1):
             i = t - first

@@ -30,6 +30,20 @@ ROW_ALIGN = 256
 CTAS_PER_SM, CTAS_PER_SM_FEW, FEW_TILES = 2, 4, 16
 
 
+def served_heads(index_heads: int) -> int | None:
+    """The heads the kernel scores for an indexer of ``index_heads`` query
+    heads, which vLLM zero-pads (query and weights) to 32 for DeepGEMM where
+    fewer (``models/glm5next/common/attention.py``): the real ones where the
+    kernel takes that many (its call takes a view of the padded query: the
+    zero heads add nothing to a logit but the sign of a zero, which the
+    kernel keeps as they would), else the padded count; None where it takes
+    neither."""
+    if index_heads in HEADS:
+        return index_heads
+    padded = max(index_heads, 32)
+    return padded if padded in HEADS else None
+
+
 def splits_for(entries: int, width: int, sms: int) -> int:
     """The CTAs an entry's tiles (of a ``width``-pool row) are split over."""
     tiles = -(-width // TILE)
@@ -67,13 +81,15 @@ def check(
         or values.shape[1] not in NEXT_N
         or values.shape[2] not in HEADS
         or values.shape[3] != DIM
-        or not values.is_contiguous()
+        or values.stride()[2:] != (DIM, 1)
+        or any(s <= 0 or s % 16 for s in values.stride()[:2])
         or values.data_ptr() % 16
     ):
         raise mismatch(
             "q",
-            f"contiguous fp8 e4m3 [entries, next_n in {NEXT_N}, heads in {HEADS}, "
-            f"{DIM}], 16-byte aligned",
+            f"fp8 e4m3 [entries, next_n in {NEXT_N}, heads in {HEADS}, {DIM}], "
+            "its heads' rows consecutive, entries and next_n strides positive "
+            "multiples of 16, 16-byte aligned",
             layout(values),
         )
     entries, next_n, heads, _ = values.shape
@@ -157,8 +173,11 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
     ``indices``), without the schedule metadata: FP32 logits ``[entries *
     next_n, max_model_len]`` on DeepGEMM's row stride (the width rounded up
     to 256), each entry's rows written below ``seq_lens[entry, -1]`` (the
-    columns past it are not). Into ``out`` if given. One compile key per
-    head count, ``next_n`` and cache page size."""
+    columns past it are not). Into ``out`` if given. With 16 heads, DeepGEMM's
+    call on the query and weights zero-padded to 32 (which it needs, and vLLM
+    hands it): the query may be a view of the padded one (its own entry and
+    next_n strides). One compile key per head count, ``next_n`` and cache
+    page size."""
 
     @dataclass(frozen=True)
     class CompileKey:
@@ -201,12 +220,13 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
     def warmup_inputs(self, compile_key: CompileKey) -> tuple:
         heads, next_n, block = compile_key.heads, compile_key.next_n, compile_key.block
         entries = cute.sym_int()
+        # Row strides of the query's entries and next_n: its own (a view of
+        # vLLM's padded heads, or contiguous).
+        rows = (cute.sym_int64(divisibility=16), cute.sym_int64(divisibility=16))
         q = make_fake_tensor(
-            Float8E4M3FN,
-            (entries, next_n, heads, DIM),
-            (next_n * heads * DIM, heads * DIM, DIM, 1),
+            Float8E4M3FN, (entries, next_n, heads, DIM), (*rows, DIM, 1),
             assumed_align=16,
-        )
+        )  # fmt: skip
         kv = make_fake_tensor(
             Uint8,
             (cute.sym_int(), block, 1, DIM + 4),
