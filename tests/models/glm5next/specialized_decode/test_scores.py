@@ -14,7 +14,9 @@ the terms' magnitude, and in ulps of the value), the query and weights as
 views of more heads (vLLM's zero padding), and, where ``import
 deep_gemm`` works (SM90 takes next_n 1, 2 and 4, heads 32 and 64, 16 heads
 zero-padded to 32 as vLLM pads them), against DeepGEMM's bytes below each
-entry's context, with the share of rows whose top-512 set differs."""
+entry's context, with the share of rows whose top-512 set differs; and an
+entry's bytes alone against the same entry anywhere in batches of 2 to 256
+entries."""
 
 import random
 
@@ -544,3 +546,52 @@ def test_scores_equal_deepgemm():
     )
     assert rows >= 1000, (rows, sorted(refused))
     assert differ_rows == 0, (differ_rows, max_ulps, seed, first)
+
+
+def _batch_with(target: dict, others: dict, at: int) -> dict:
+    """``others``' entries with ``target``'s one entry inserted at ``at``:
+    the caches side by side (the target's pages after the others'), the
+    block tables padded with page 0 to one width."""
+    blocks = others["kv_cache"].shape[0]
+    tables = [others["block_table"], target["block_table"] + blocks]
+    width = max(t.shape[1] for t in tables)
+    tables = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]
+
+    def insert(a, b, rows=1):
+        return torch.cat([a[: at * rows], b, a[at * rows :]])
+
+    next_n = target["q"][0].shape[1]
+    values = insert(others["q"][0], target["q"][0])
+    return dict(
+        q=(values, None),
+        kv_cache=torch.cat([others["kv_cache"], target["kv_cache"]]),
+        weights=insert(others["weights"], target["weights"], next_n),
+        seq_lens=insert(others["seq_lens"], target["seq_lens"]).contiguous(),
+        block_table=insert(tables[0], tables[1]).contiguous(),
+        max_model_len=max(target["max_model_len"], others["max_model_len"]),
+    )
+
+
+@pytest.mark.gpu
+def test_scores_bytes_do_not_depend_on_the_batch():
+    """An entry's rows, below its context, are the same bytes alone and
+    anywhere in batches of 2 to 256 entries (which change the CTAs an entry
+    is split over and the SMs its tiles land on), for every key."""
+    seed = fuzz_seed()
+    rng, compared = random.Random(seed), 0
+    for key in ALL_KEYS:
+        target = _step(rng, key.heads, key.next_n, key.block, 1, "cuda", past=0)
+        n = int(target["seq_lens"][0, -1])
+        alone = SCORES(**target)[:, :n].view(I32)
+        for entries in (1, 7, 63, 255):
+            others = _step(rng, key.heads, key.next_n, key.block, entries, "cuda", 0)
+            at = rng.randint(0, entries)
+            rows = slice(at * key.next_n, (at + 1) * key.next_n)
+            batch = _batch_with(target, others, at)
+            got = SCORES(**batch)[rows, :n].view(I32)
+            assert torch.equal(got, alone), (key, entries, at, seed)
+            compared += got.numel()
+    FUZZ_REPORT.append(
+        f"scores batch invariance: {len(ALL_KEYS)} keys x 4 batches of 2-256 "
+        f"entries, seed {seed}, {compared * 4} bytes compared, 0 mismatches"
+    )
