@@ -290,3 +290,15 @@ def test_indexer_steps_scores(monkeypatch, backend, mode):
         geo=SCORES_GEOMETRY,
     )  # fmt: skip
     launched(report, backend, select=True, scores=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if not BACKENDS[b].mx])
+def test_indexer_steps_scores_without_select(monkeypatch, backend):
+    """The opt-in scores alone, eager: both sides' top-k is the same stable
+    sort, so every byte compares, the logical rows included."""
+    _, report = gpu_run(
+        monkeypatch, backend, divisor=5, hold_cycles=HOLD, scores=True,
+        geo=SCORES_GEOMETRY,
+    )  # fmt: skip
+    launched(report, backend, scores=True)
