@@ -105,8 +105,8 @@ def cpu_deep_gemm(arguments: dict) -> torch.Tensor:
 
 # A GLM-5-Next deployment's keys: an 8-token tail ring, 64-token pages, the
 # indexer's int32 positions and int64 slots; 512 pools in 2176 columns,
-# 64-token MLA blocks; a 4096-pool select of k 512; the scores of 16 heads
-# padded to 32, one draft token, 64-pool pages.
+# 64-token MLA blocks; a 4096-pool select of k 512; the scores of the 16
+# heads (views of vLLM's zero-padded 32), one draft token, 64-pool pages.
 # fmt: off
 KEYS = {
     update.UPDATE: dict(
@@ -121,7 +121,7 @@ KEYS = {
     ),
     upcast.UPCAST: {},
     select.SELECT: dict(k=512, dtype=torch.float32, rows=4, width=4096, sms=SMS),
-    scores.SCORES: dict(heads=32, next_n=2, block=64),
+    scores.SCORES: dict(heads=16, next_n=2, block=64),
 }
 # The kernels whose rules the edges below change argument by argument (the
 # guard table's).

@@ -490,8 +490,8 @@ def deployment_keys(sms: int) -> list:
     8-token ring and 64-token pages (both scale formats), the decode
     expansion, the fused remap with and without counts, the upcast, the
     select of 1-64 rows of 65536 pools (FP32 and BF16 logits), the scores of
-    16 heads padded to 32 at each next_n DeepGEMM's SM90 kernel takes, of
-    64-pool pages."""
+    the 16 heads (views of vLLM's padded 32) at each next_n DeepGEMM's SM90
+    kernel takes, of 64-pool pages."""
     update = KEYS[UPDATE]
     keys = [
         (UPDATE, UPDATE.dispatch(**update | dict(mx_scales=mx))) for mx in (True, False)
@@ -503,7 +503,7 @@ def deployment_keys(sms: int) -> list:
     for dtype in (torch.float32, torch.bfloat16):
         values = dict(max_rows=64, k=512, dtype=dtype, width=65536, sms=sms)
         keys += [(SELECT, key) for key in SELECT.get_warmup_keys(**values)]
-    values = dict(heads=32, next_n=WarmupChoices(1, 2, 4), block=64)
+    values = dict(heads=16, next_n=WarmupChoices(1, 2, 4), block=64)
     keys += [(SCORES, key) for key in SCORES.get_warmup_keys(**values)]
     return keys
 
