@@ -200,9 +200,10 @@ def score_inputs(requests, next_n, heads, ends, dev, gen) -> dict:
     scales = torch.rand(requests * pages, BLOCK, **g) * 0.01 + 0.001
     cache[:, BLOCK * DIM :] = scales.view(torch.uint8)
     lens = ends.view(requests, next_n)
-    q = torch.randn(requests, next_n, heads, DIM, **g).to(torch.float8_e4m3fn)
+    q = torch.randn(requests, next_n, heads, DIM, **g)
     weights = torch.rand(requests * next_n, heads, **g) * 0.1
     q[:, :, INDEX_HEADS:], weights[:, INDEX_HEADS:] = 0, 0
+    q = q.to(torch.float8_e4m3fn)
     sms = (
         torch.cuda.get_device_properties(dev).multi_processor_count
         if dev.type == "cuda"

@@ -475,9 +475,9 @@ class Sim:
         for name, x in vars(self.source).items():
             shape, gen = x[:, :rows].shape, self.gen
             values = torch.randn(shape, generator=gen, device=self.device)
-            x[:, :rows] = (values * (8 if name == "q" else 1)).to(x.dtype)
             if name in ("q", "w"):
-                x[:, :rows, real:] = 0
+                values[:, :, real:] = 0
+            x[:, :rows] = (values * (8 if name == "q" else 1)).to(x.dtype)
 
 
 class Model:

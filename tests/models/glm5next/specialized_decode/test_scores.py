@@ -341,8 +341,8 @@ def _step(rng: random.Random, heads, next_n, block, entries, device, past=2**30)
     # vLLM's padding of 16 to 32, else in half the steps 16 more.
     padded = 32 if heads < 32 else heads + 16 * (rng.random() < 0.5)
     q = torch.randn(entries, next_n, padded, DIM, generator=gen, device=device)
-    q = (q * 50).clamp(-448, 448).to(FP8)
     q[:, :, heads:] = 0
+    q = (q * 50).clamp(-448, 448).to(FP8)
     weights = torch.randn(entries * next_n, padded, generator=gen, device=device)
     weights = weights * heads**-0.5
     weights[:, heads:] = 0

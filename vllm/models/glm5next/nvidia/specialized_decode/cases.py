@@ -534,7 +534,7 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     q = _fp8((entries, next_n, padded, DIM), gen)
     weights = torch.randn(entries * next_n, padded, **g) * heads**-0.5
     zero = heads if heads < padded else heads // 2 if rng.random() < 0.3 else padded
-    q[:, :, zero:] = 0
+    q.view(torch.uint8)[:, :, zero:] = 0  # +0.0
     weights[:, zero:] = 0
     last = torch.tensor(contexts, dtype=torch.int32, device=gen.device)
     ahead = torch.arange(next_n - 1, -1, -1, dtype=torch.int32, device=gen.device)
