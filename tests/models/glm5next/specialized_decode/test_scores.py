@@ -250,6 +250,28 @@ def test_scores_rule_wants_cuda_tensors():
     assert _refused_argument(args) == "q"
 
 
+def test_one_zero_add_a_pair_is_one_a_sum():
+    """The 16-head epilogue's ``((a + b) + 0.0) * s`` equals ``((a + 0.0) +
+    (b + 0.0)) * s`` bit for bit (NaNs as NaNs) in FP32 round-to-nearest
+    without flushing, over random bit patterns and every pair of signed
+    zeros, denormals, infinities, NaN and opposite values."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (2, 1 << 20), generator=gen, dtype=I32)
+    a, b = bits.view(F32)
+    special = torch.tensor(
+        [0.0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40, 1.0, -1.0, 3e38, -3e38,
+         float("inf"), float("-inf"), float("nan")],
+    )  # fmt: skip
+    pa, pb = torch.cartesian_prod(special, special).T
+    a, b = torch.cat([a, pa, -pb]), torch.cat([b, pb, pb])
+    scale = torch.rand(a.shape, generator=gen) * 4 - 2
+    once = ((a + b) + 0.0) * scale
+    each = ((a + 0.0) + (b + 0.0)) * scale
+    nan = once.isnan()
+    assert torch.equal(nan, each.isnan())
+    assert torch.equal(once[~nan].view(I32), each[~nan].view(I32))
+
+
 def test_scores_splits():
     """An entry's tiles are split over ``ctas * sms / entries`` CTAs, at
     least one, at most one a 64-pool tile of the width: ``ctas`` four where
@@ -279,7 +301,8 @@ def test_scores_warmup_keys():
 def test_scores_ptx(key):
     """sm_90a: four m64nNk32 e4m3 wgmmas a tile (N = next_n x heads), the
     first not accumulating; the head sum's FMAs as DeepGEMM's epilogue
-    (``next_n x 4 x (heads / 8 - 1)``); TMA copies (the query a row at a
+    (``next_n x 4 x (heads / 8 - 1)``), with 16 heads two +0.0 adds a row;
+    TMA copies (the query a row at a
     time); one PDL wait; no spills, two CTAs an SM by registers."""
     text = compile_ptx(SCORES, key, "sm_90a")
     count = ops(text)
@@ -287,6 +310,9 @@ def test_scores_ptx(key):
     shape = f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3"
     assert count[shape] == 4, {k: v for k, v in count.items() if "wgmma" in k}
     assert count["fma.rn.f32"] == key.next_n * 4 * (key.heads // 8 - 1)
+    # 16 heads: the +0.0 of vLLM's zero heads, once a pair of sums.
+    zero_adds = text.count("add.rn.f32 r,r,0f00000000")
+    assert zero_adds == (2 * key.next_n if key.heads == 16 else 0), zero_adds
     assert count["griddepcontrol.wait"] == 1
     assert count["griddepcontrol.launch_dependents"] == 1
     # TMA: a (heads, 128) slab of the query a row of next_n (its own strides:

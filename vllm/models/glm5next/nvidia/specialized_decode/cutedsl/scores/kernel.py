@@ -61,8 +61,10 @@ THREADS = CONSUMERS + 32
 TILE = 64
 # The index head dimension, in FP8 bytes: one 128-byte swizzle row.
 DIM = 128
-# Tiles in flight a CTA: 4 x 8.25 KiB.
-STAGES = 4
+# Tiles in flight a CTA: 4 x 8.25 KiB. A power of two: a tile's stage and
+# phase are bits of its non-negative index (no signed division).
+STAGE_BITS = 2
+STAGES = 1 << STAGE_BITS
 # The wgmma K step for FP8.
 K_STEP = 32
 # The widest N (next_n x heads) whose tiles keep the thread's weights in
@@ -91,6 +93,18 @@ def relu_fma(acc, w, total):
 def add_mul(a, b, scale):
     """``(a + b) * scale``, two roundings."""
     code = "{ .reg .f32 r; add.rn.f32 r,$1,$2; mul.rn.f32 $0,r,$3; }"
+    return code, "=f,f,f,f", (Float32(a), Float32(b), Float32(scale))
+
+
+@inline_ptx(Float32, pure=True)
+def add_zero_mul(a, b, scale):
+    """``((a + b) + 0.0) * scale``: bit for bit ``add_mul(a + 0.0, b + 0.0,
+    scale)``. Adding +0.0 changes only a -0.0 (to +0.0), and under
+    round-to-nearest a sum is -0.0 only where both terms are."""
+    code = (
+        "{ .reg .f32 r; add.rn.f32 r,$1,$2; add.rn.f32 r,r,0f00000000; "
+        "mul.rn.f32 $0,r,$3; }"
+    )
     return code, "=f,f,f,f", (Float32(a), Float32(b), Float32(scale))
 
 
@@ -302,8 +316,8 @@ class KpoolScores:
         for t in cutlass.range(first, last, unroll=1):
             i = t - first
             if i >= STAGES:
-                empty = bars + STAGES + i % STAGES
-                cute.arch.mbarrier_wait(empty, (i // STAGES - 1) % 2)
+                empty = bars + STAGES + (i & (STAGES - 1))
+                cute.arch.mbarrier_wait(empty, ((i >> STAGE_BITS) - 1) & 1)
             window = self.issue(
                 tma_k, k_gmem, k_smem, tma_s, s_gmem, s_smem, bars,
                 block_table, entry, pages_used, first, t, window,
@@ -320,7 +334,7 @@ class KpoolScores:
         entry's pages read page 0, as DeepGEMM does (those pools are past
         ``ctx``)."""
         lane = cute.arch.lane_idx()
-        stage = (t - first) % STAGES
+        stage = (t - first) & (STAGES - 1)
         for p in cutlass.range_constexpr(self.pages):
             slot = (t - first) * self.pages + p
             if slot % 32 == 0:
@@ -372,8 +386,8 @@ class KpoolScores:
         weights = self.thread_weights(s_w)
         cute.arch.mbarrier_wait(bars + 2 * STAGES, 0)
         for t in cutlass.range(first, last, unroll=1):
-            stage = (t - first) % STAGES
-            cute.arch.mbarrier_wait(bars + stage, ((t - first) // STAGES) % 2)
+            stage = (t - first) & (STAGES - 1)
+            cute.arch.mbarrier_wait(bars + stage, ((t - first) >> STAGE_BITS) & 1)
             warpgroup.fence()
             # A fresh atom a tile: its accumulate flag changes inside the loop.
             atom = cute.make_mma_atom(mma.op)
@@ -433,13 +447,12 @@ class KpoolScores:
                         sums[e] = relu_fma(*first, relu_mul(value, w))
                     else:
                         sums[e] = relu_fma(value, w, sums[e])
-            if cutlass.const_expr(self.heads == 16):
-                # Stock pads 16 heads to 32 zero ones; their terms
-                # fma(0, 0, sum) add +0.0, which turns a -0.0 sum into +0.0.
-                for e in cutlass.range_constexpr(4):
-                    sums[e] = add(sums[e], Float32(0.0))
-            v0 = add_mul(sums[0], sums[1], scale0)
-            v1 = add_mul(sums[2], sums[3], scale1)
+            # Stock pads 16 heads to 32 zero ones; their terms fma(0, 0,
+            # sum) add +0.0 to each sum, which turns a -0.0 into +0.0: once
+            # a pair here, the same bits.
+            pair = add_zero_mul if cutlass.const_expr(self.heads == 16) else add_mul
+            v0 = pair(sums[0], sums[1], scale0)
+            v1 = pair(sums[2], sums[3], scale1)
             for offset in cutlass.range_constexpr(2):
                 v0 = add(v0, cute.arch.shuffle_sync_bfly(v0, offset=1 << offset))
                 v1 = add(v1, cute.arch.shuffle_sync_bfly(v1, offset=1 << offset))
