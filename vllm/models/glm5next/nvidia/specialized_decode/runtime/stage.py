@@ -96,13 +96,13 @@ class LayerStep:
         in (``kpool_scores``) and the kernel takes the call, the opt-in
         scores, whose rows hold DeepGEMM's logits below each entry's context
         (all that the step reads of them), else DeepGEMM's."""
-        stage = self.stage
-        if stage.scores:
-            ours, heads = (q, weights), stage.scores_heads
-            if heads is not None and heads < q[0].shape[2]:
+        heads = self.stage.scores_heads
+        if heads is not None:
+            ours = (q, weights)
+            if heads < q[0].shape[2]:
                 # The real heads of vLLM's zero-padded ones (``served_heads``).
                 ours = ((q[0][:, :, :heads], q[1]), weights[:, :heads])
-            logits = stage.kernels.scores.serve(
+            logits = self.stage.kernels.scores.serve(
                 q=ours[0], kv_cache=kv_cache, weights=ours[1], seq_lens=seq_lens,
                 block_table=decode.block_table, max_model_len=max_model_len,
                 indices=decode.indices,
@@ -157,8 +157,11 @@ class KpoolStage:
         self.select_one_wave = select and select_one_wave
         self.scores, self.next_n = scores, next_n
         # The heads the opt-in scores compute of the indexer's (the layers'
-        # are alike): its real ones where vLLM pads them.
-        heads = {attn.indexer.n_head for attn in attentions} if scores else set()
+        # are alike): its real ones where vLLM pads them. None where the
+        # warmup lists no scores key (off, MX scales, heads it does not take):
+        # a step then calls DeepGEMM without asking the kernel's rule.
+        fp32 = scores and not mx_scales
+        heads = {attn.indexer.n_head for attn in attentions} if fp32 else set()
         self.scores_heads = served_heads(heads.pop()) if len(heads) == 1 else None
         self.executors: dict = {}
         self.kernels = StageKernels(
