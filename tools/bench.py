@@ -293,8 +293,15 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
         ours_select = p(K.select_topk, x, e, K_POOLS, out=t["pool_topk"])
         stock = p(calls, [stock_topk, p(stock_remap, t, True)])
         ours = p(calls, [ours_select, p(ours_remap, t, True)])
-        return [("select", [stock_topk], [ours_select]),
-                ("chain", [stock], [ours])], {}
+        pairs = [("select", [stock_topk], [ours_select]), ("chain", [stock], [ours])]
+        if dtype == torch.float32 and K.fed_columns(width):
+            # The fed select with no counts (as after DeepGEMM's scores): it
+            # counts the first digit itself, one more read of the row.
+            zeros = torch.zeros(rows, K.histogram, dtype=torch.int32, device=dev)
+            unhinted = p(K.select, logits=x, ends=e, k=K_POOLS, out=t["pool_topk"],
+                         histogram=zeros)
+            pairs.append(("select_unhinted", [stock_topk], [unhinted]))
+        return pairs, {}
     # The indexer decode after the query: DeepGEMM's scores and the stock top-k
     # or the select, or (step_scores) our scores and the select.
     if kind == "step":
@@ -326,6 +333,17 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
         pairs = [("step", [stock], [p(ours, False)]),
                  ("step_select", [stock], [p(ours, True)]),
                  ("step_scores", [stock], [p(ours, True, ours_scores)])]
+        if K.fed_columns(pools):  # our scores count, the select reads them
+            counts = torch.zeros(rows * n, K.histogram, dtype=torch.int32, device=dev)
+            fed_scores = p(ours_scores, histogram=counts)
+
+            def fed():
+                logits = fed_scores()
+                K.select(logits=logits, ends=e, k=K_POOLS, out=t["pool_topk"],
+                         histogram=counts)
+                ours_remap(t, True)
+
+            pairs.append(("step_fed", [stock], [fed]))
         return pairs, dict(alone=(scores, ours_scores))
     u = update_inputs(rows, case.get("tokens", 1), dev, gen)
     t = topk_inputs(rows, dev, gen)
@@ -396,7 +414,7 @@ def measure(case: dict, plan: Plan, dev, copy_gbs: float) -> dict:
     row = dict(case)
     for pair, stock, ours in pairs:
         figures = {"graph": [graph_us(stock, plan.rep_ms), graph_us(ours, plan.rep_ms)]}
-        if pair not in ("select", "scores"):  # the top-k, the scores: graph only
+        if pair not in ("select", "select_unhinted", "scores"):  # graph only
             figures["eager"] = eager_us(stock, ours, plan)
         for timer, (s, o) in figures.items():
             key = f"{pair}_{timer}" if pair else timer
@@ -462,6 +480,12 @@ def load_kernels(stock_topk_so: str | None, deep_gemm: str | None = None) -> Non
     from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores import (
         launch as scores,
     )
+    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import (
+        fed,
+    )
+    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import (
+        launch as select,
+    )
     from vllm.v1.attention.backends.mla.sparse_utils import (
         triton_convert_req_index_to_global_index,
     )
@@ -473,6 +497,12 @@ def load_kernels(stock_topk_so: str | None, deep_gemm: str | None = None) -> Non
     for fn in ("kpool_update", "expand_pools", "expand_and_remap", "upcast_logits"):
         setattr(K, fn, getattr(kpool, fn))
     K.select_topk = kpool.select_topk
+    # The fed select (the stage's, not public) and what it reads.
+    K.select, K.fed_columns, K.histogram = (
+        select.SELECT,
+        select.fed_columns,
+        fed.HISTOGRAM,
+    )
     K.scores = scores.SCORES
     if deep_gemm:  # vLLM's vendored DeepGEMM, from the folder that holds it
         sys.path.insert(0, deep_gemm)

@@ -262,6 +262,7 @@ class Scores:
             if answer is STOCK:
                 return STOCK
             rest = dict(arguments)
+            rest.pop("histogram")  # what the kernel would count: unread here
             return paged_logits(*[rest.pop(n) for n in NAMES], **rest)
 
         def deep_gemm(*args, **kwargs):
@@ -301,6 +302,9 @@ def test_scores_opted_in(monkeypatch, bench, step, answer):
     on = Scores(monkeypatch, b.stage, answer)
     got = b.run()
     [served] = on.served
+    # No histogram: the select is off (``test_scores_count_for_the_select``).
+    served = dict(served)
+    assert served.pop("histogram") is None
     want = stock_arguments(args, kwargs)
     assert served.keys() == want.keys()
     assert all(equal(served[n], want[n]) for n in want), "not the stock call's"
@@ -311,6 +315,29 @@ def test_scores_opted_in(monkeypatch, bench, step, answer):
     else:
         assert on.stock == []
     assert_same(b.stock(), got, b.fwd)
+
+
+@pytest.mark.parametrize("answer", ["logits", STOCK], ids=["served", "stock"])
+def test_scores_count_for_the_select(monkeypatch, bench, references, answer):
+    """``kpool_scores`` and ``kpool_select``: the scores get the stage's
+    histogram rows of the step, and the select reads them (its fed key)
+    where the scores took the call; where DeepGEMM ran instead, nothing
+    counted and the select runs unfed. The histogram is zero after the
+    step (the select zeroes what it read); the top-k rows as sets (the
+    stock stand-in as ``test_select_opted_in``'s)."""
+    references(topk=contract_decode_topk)
+    b = bench(TOKEN_ROWS[0].values[0], scores=True, select=True)
+    calls = Scores(monkeypatch, b.stage, answer)
+    got = b.run()
+    [served] = calls.served
+    histogram = served["histogram"]
+    assert histogram is not None and histogram.shape[1] == 257
+    assert histogram.data_ptr() == b.stage.histogram.data_ptr()
+    assert histogram.shape[0] == served["q"][0].shape[0] * served["q"][0].shape[1]
+    fed = {key.columns > 0 for key in b.spies.launched["select"]}
+    assert fed == ({True} if answer == "logits" else {False})
+    assert not b.stage.histogram.any()
+    assert_same_sets(b, got)
 
 
 def test_scores_take_the_real_heads_of_padded_ones(monkeypatch, bench):

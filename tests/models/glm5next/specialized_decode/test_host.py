@@ -200,6 +200,8 @@ def public(kernel, a: dict):
         )
     if kernel is UPCAST:
         return lambda: kpool.upcast_logits(a["logits"], a["row_ends"], out=a["out"])
+    if a.get("histogram") is not None:  # the stage's fed select: not public
+        return None
     return lambda: kpool.select_topk(a["logits"], a["ends"], a["k"], out=a["out"])
 
 
@@ -608,7 +610,12 @@ KEY_FIELDS = {
         counts={"counts"},
     ),
     UPCAST: {},
-    SELECT: dict(k={"k"}, logits={"dtype", "cluster", "capacity"}),
+    SELECT: dict(
+        k={"k"},
+        logits={"dtype", "cluster", "capacity", "columns"},
+        # The fed select: one CTA a row, bitmaps of ``columns``.
+        histogram={"cluster", "capacity", "columns"},
+    ),
 }
 
 

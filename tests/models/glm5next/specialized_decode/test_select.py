@@ -31,7 +31,7 @@ import draws
 import pytest
 import torch
 from kernel_ptx import compile_ptx, ops, resources
-from kpool_fuzz import FUZZ_REPORT, fuzz, fuzz_seed, report
+from kpool_fuzz import FUZZ_REPORT, fuzz, fuzz_seed, launch_case, report
 from rule_edges import (
     SMS,
     declared_disagreements,
@@ -408,6 +408,27 @@ def test_select_ptx(arch, cluster, capacity, dtype):
         assert "ld.global.nc.b16" in text
 
 
+@pytest.mark.parametrize("columns", select.FED_COLUMNS)
+def test_fed_select_ptx(columns):
+    """The fed select: PDL; no spills within one 1024-thread CTA's 64
+    registers; 16-byte row loads; the keys; the histogram's words read and
+    zeroed; shared counts and bitmap words; no cluster."""
+    key = SELECT.CompileKey(K, F32, 1, 0, columns)
+    text = compile_ptx(SELECT, key, "sm_90a")
+    count = ops(text)
+    assert (
+        count["griddepcontrol.wait"] == count["griddepcontrol.launch_dependents"] == 1
+    )
+    assert ".local" not in text, "spills to local memory"
+    registers, spilled = resources(text, "sm_90a")
+    assert registers * THREADS <= 65536 and spilled == 0, (registers, spilled)
+    assert "ld.global.nc.v4.b32" in text
+    assert "shr.s32 m," in text and "or.b32 m,m,0x80000000" in text
+    assert "atom.shared.or.b32" in text or "red.shared.or.b32" in text
+    assert "vote.sync.any.pred" in text and "vote.sync.ballot.b32" in text
+    assert "barrier.cluster" not in text and "mapa" not in text
+
+
 # --- GPU: the contract ----------------------------------------------------------------
 
 
@@ -694,6 +715,94 @@ def test_select_zero_plateaus(dtype, width):
     ends = torch.tensor(ends, dtype=I32, device="cuda")
     got = SELECT(logits=logits, ends=ends, k=K)
     assert torch.equal(got, contract_topk(logits, ends, K))
+
+
+@pytest.mark.gpu
+def test_fed_select_matches_the_contract():
+    """The fed select (one CTA a row, its first digit from the histogram):
+    every byte of the output buffer against ``contract_topk`` and the
+    histogram's rows zeroed (the row past them and the columns past 257
+    untouched), over every ``columns`` key; the histograms the scores
+    count, none, stale or lying (``cases.fed_histogram``)."""
+    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
+        sm_count,
+    )
+
+    sms = sm_count(torch.cuda.current_device())
+    keys = [SELECT.CompileKey(K, F32, 1, 0, c) for c in select.FED_COLUMNS]
+
+    def check(rng, gen):
+        case = cases.select_case(rng, gen, rng.choice(keys), sms=sms)
+        logits, ends = case.arguments["logits"], case.arguments["ends"]
+        want = contract_topk(logits, ends, K)
+        if not torch.equal(case.expected[0][: logits.shape[0], :K], want):
+            return f"{draws.about(case)}: select_reference differs from the contract"
+        return launch_case(SELECT, case)
+
+    fuzz("fed select", 2000, check)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [K + 1, 65536, 262144])
+def test_fed_select_edges(width):
+    """The fed select on the rows of the select's edge tests (whole bins at
+    each pass, +0.0 plateaus, all-special and signed-zero rows), fed the
+    histogram the scores would count and none: the contract's columns, the
+    histogram zeroed."""
+    gen = torch.Generator().manual_seed(width + 2)
+    special = cases.special_values(F32, "cpu")
+    signed = torch.zeros(2, width)
+    signed[:, 1::2] = -0.0
+    rows = [
+        whole_bin_rows(F32, width, gen),
+        zero_plateau_rows(F32, width, gen),
+        special[torch.randint(0, special.numel(), (2, width), generator=gen)],
+        signed,
+        torch.full((1, width), 1.5),
+    ]
+    logits = aligned_rows(torch.cat(rows))
+    n = logits.shape[0]
+    ends = torch.tensor(
+        [width, K + 1, 3000, width - 1] * (n // 4) + [width] * (n % 4),
+        dtype=I32, device="cuda",
+    )  # fmt: skip
+    want = contract_topk(logits, ends, K)
+    for counted in (True, False):
+        histogram = cases.select_histogram(logits, ends.long().clamp(0, width))
+        if not counted:
+            histogram.zero_()
+        got = SELECT(logits=logits, ends=ends, k=K, histogram=histogram)
+        assert torch.equal(got, want), counted
+        assert not histogram.any()
+
+
+@pytest.mark.gpu
+def test_fed_select_behind_the_scores_stream():
+    """The fed select on a side stream reads the histogram the compute
+    stream is still writing, the hand-over an event: the select waits for
+    it (the histogram and logits written after a long kernel on the compute
+    stream) and its bytes are the contract's."""
+    gen = torch.Generator().manual_seed(5)
+    width = 65536
+    values = torch.randn(4, width, generator=gen)
+    ends = torch.tensor([width, 9000, K + 1, width - 7], dtype=I32, device="cuda")
+    logits = torch.zeros(4, width, device="cuda")
+    histogram = torch.zeros(4, 257, dtype=I32, device="cuda")
+    side = torch.cuda.Stream()
+    ready = torch.cuda.Event()
+    busy = torch.zeros(1 << 26, device="cuda")
+    for _ in range(20):  # the compute stream runs behind
+        busy.mul_(1.0001)
+    logits.copy_(aligned_rows(values))
+    histogram.copy_(cases.select_histogram(logits, ends.long()))
+    ready.record()
+    with torch.cuda.stream(side):
+        side.wait_event(ready)
+        got = SELECT(logits=logits, ends=ends, k=K, histogram=histogram)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(got, contract_topk(logits, ends, K))
+    assert not histogram.any()
 
 
 def sparse_attention(q, kv, index, scale):

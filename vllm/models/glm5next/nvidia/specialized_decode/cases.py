@@ -29,8 +29,9 @@ from .constants import DIM, INT32_MAX, POOL
 from .cutedsl.expand.launch import EXPAND
 from .cutedsl.remap.launch import REMAP
 from .cutedsl.scores.launch import SCORES, row_stride, sm_count
+from .cutedsl.select.fed import HISTOGRAM
 from .cutedsl.select.kernel import CAPACITIES, VECTOR
-from .cutedsl.select.launch import SELECT, cluster_for, slice_capacity
+from .cutedsl.select.launch import FED_COLUMNS, SELECT, cluster_for, slice_capacity
 from .cutedsl.upcast.kernel import GROUP_ROWS, TILE
 from .cutedsl.upcast.launch import UPCAST
 from .cutedsl.update.launch import UPDATE
@@ -376,6 +377,32 @@ def select_reference(logits: torch.Tensor, ends: torch.Tensor, k: int):
     return torch.where((ends > k)[:, None], top, short).to(torch.int32)
 
 
+def order_keys(logits: torch.Tensor) -> torch.Tensor:
+    """The FP32 order keys of ``logits`` (``select/kernel.py``'s ``_key32``),
+    as int64."""
+    bits = logits.view(torch.int32).long() & 0xFFFFFFFF
+    return torch.where(bits >> 31 != 0, 0xFFFFFFFF - bits, bits | (1 << 31))
+
+
+def select_histogram(logits: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """What the fed select reads (``select/fed.py``): each row's columns below
+    ``clamp(end, 0, width)`` by the top 8 bits of their order key, then its
+    +0.0 count; int32 [rows, 257]."""
+    rows, width = logits.shape
+    keys = order_keys(logits)
+    valid = torch.arange(width, device=logits.device)[None, :] < ends[:rows, None]
+    bins = torch.where(valid, keys >> 24, BINS_PAST)
+    counts = torch.zeros(rows, BINS_PAST + 1, dtype=torch.int64, device=logits.device)
+    counts.scatter_add_(1, bins, torch.ones_like(bins))
+    counts[:, -1] = ((keys == 1 << 31) & valid).sum(1)
+    return counts.to(torch.int32)
+
+
+# The bin a column past its row's end counts in (dropped), also the column
+# of the +0.0 count.
+BINS_PAST = HISTOGRAM - 1
+
+
 def select_shapes(key, sms: int) -> list[tuple[int, int]]:
     """(rows, width) pairs whose select key is ``key``: widths whose slices
     fill the key's capacity from just above the next smaller one to all of
@@ -437,9 +464,16 @@ def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
 
 
 def select_case(rng: random.Random, gen: torch.Generator, key, *, sms: int) -> Case:
-    """A case of ``key`` on ``sms`` SMs, of one of its shapes."""
-    rows, width = rng.choice(select_shapes(key, sms))
-    return select_rows_case(rng, gen, key, rows, width)
+    """A case of ``key`` on ``sms`` SMs, of one of its shapes (the fed
+    select's: 1-16 rows a bit wider than the next smaller key's columns, up
+    to its own)."""
+    if not key.columns:
+        rows, width = rng.choice(select_shapes(key, sms))
+        return select_rows_case(rng, gen, key, rows, width)
+    below = (0, *FED_COLUMNS)[FED_COLUMNS.index(key.columns)]
+    width = rng.choice([below + 1, key.columns, rng.randint(below + 1, key.columns)])
+    rows = rng.choice([1, 2, rng.randint(1, 16)])
+    return select_rows_case(rng, gen, key, rows, max(width, key.k + 2))
 
 
 def select_rows_case(rng, gen: torch.Generator, key, rows: int, width: int) -> Case:
@@ -461,8 +495,47 @@ def select_rows_case(rng, gen: torch.Generator, key, rows: int, width: int) -> C
     want = out.clone()
     logits = storage[:, :width]
     want[:rows, :k] = select_reference(logits, ends, k)
-    arguments = dict(logits=logits, ends=ends, k=k, out=out[:rows, :k])
-    return Case(arguments, (out,), (want,))
+    arguments = dict(logits=logits, ends=ends, k=k, out=out[:rows, :k], histogram=None)
+    if not key.columns:
+        return Case(arguments, (out,), (want,))
+    histogram, after = fed_histogram(logits, ends, rng, gen)
+    arguments["histogram"] = histogram[:, :HISTOGRAM]
+    return Case(arguments, (out, histogram), (want, after))
+
+
+def fed_histogram(logits, ends, rng, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fed select's ``histogram`` of a case (rows of ``logits``, then
+    one poisoned row nothing touches, in wider rows) and it as the select
+    leaves it (its rows zeroed): the scores' counts mostly; else none (the
+    scores did not run), stale ones added, or counts that sum right but lie
+    (a bin's count moved to another), which the select must catch."""
+    rows = logits.shape[0]
+    storage = poisoned((rows + 1, HISTOGRAM + rng.choice([0, 3])), torch.int32, gen)
+    counts = select_histogram(logits, ends.long().clamp(0, logits.shape[1]))
+    kind = rng.choice(["counted"] * 5 + ["none", "stale", "lying"])
+    if kind == "none":
+        counts.zero_()
+    elif kind == "stale":
+        counts[:, :-1] += torch.randint(
+            0,
+            3,
+            counts[:, :-1].shape,
+            generator=gen,
+            device=gen.device,
+            dtype=torch.int32,
+        )
+    elif kind == "lying":
+        moved = torch.randint(1, 256, (rows,), generator=gen, device=gen.device)
+        lie = counts[:, :-1].clone()
+        top = lie.argmax(1)
+        taken = lie.gather(1, top[:, None]).clamp(max=rng.choice([1, 7, 1000]))
+        lie.scatter_add_(1, top[:, None], -taken)
+        lie.scatter_add_(1, ((top + moved) % 256)[:, None], taken)
+        counts[:, :-1] = lie
+    storage[:rows, :HISTOGRAM] = counts
+    after = storage.clone()
+    after[:rows, :HISTOGRAM] = 0
+    return storage, after
 
 
 # --- paged scores ---------------------------------------------------------------
@@ -551,8 +624,21 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     below = torch.arange(width, device=gen.device)[None, :] < ends[:, None]
     kept = want.view(torch.int32)[:, :width]
     kept.copy_(torch.where(below, stock, kept))
-    arguments["out"] = out[:, :width]
-    return Case(arguments, (out,), (want,))
+    arguments |= dict(out=out[:, :width], histogram=None)
+    if not key.histogram:
+        return Case(arguments, (out,), (want,))
+    # Zero (as the select leaves it) for the step's rows; one more row, and
+    # wider rows, poisoned: not the kernel's to touch.
+    rows = entries * next_n
+    histogram = poisoned((rows + 1, HISTOGRAM + rng.choice([0, 5])), torch.int32, gen)
+    histogram[:rows, :HISTOGRAM] = 0
+    counted = histogram.clone()
+    # Each row's columns below its own end, within what its entry writes.
+    row_ends = torch.minimum(seq_lens.clamp(min=0), last.clamp(max=width)[:, None])
+    logits = stock.view(torch.float32)
+    counted[:rows, :HISTOGRAM] = select_histogram(logits, row_ends.view(-1))
+    arguments["histogram"] = histogram[:, :HISTOGRAM]
+    return Case(arguments, (out, histogram), (want, counted))
 
 
 CASES = {UPDATE: update_case, EXPAND: expand_case, REMAP: remap_case}

@@ -24,7 +24,8 @@ from ..cutedsl.common.host import STOCK, Refused
 from ..cutedsl.expand.launch import ExpandKernel
 from ..cutedsl.remap.launch import RemapKernel, check_shape
 from ..cutedsl.scores.launch import ScoresKernel, served_heads
-from ..cutedsl.select.launch import SelectKernel, one_wave, sm_count
+from ..cutedsl.select.fed import HISTOGRAM
+from ..cutedsl.select.launch import SelectKernel, fed_columns, one_wave, sm_count
 from ..cutedsl.upcast.launch import UpcastKernel
 from ..cutedsl.update.launch import UpdateKernel
 from .remap import Deferred, FusedRemap, why_not_fusable
@@ -73,12 +74,16 @@ class LayerStep:
             return False
         next_n = q[0].shape[1]
         seq_lens = decode.seq_lens[: q[0].shape[0]]
-        logits = self.scores(q, kv_cache, weights, seq_lens, decode, max_model_len)
-        rows, k = logits.shape[0], topk_tokens // POOL
+        rows, k = q[0].shape[0] * next_n, topk_tokens // POOL
+        histogram = self.histogram(rows, max_model_len)
+        logits, counted = self.scores(
+            q, kv_cache, weights, seq_lens, decode, max_model_len, histogram
+        )  # fmt: skip
         ends = seq_lens.view(-1)
         stage = self.stage
         pool_ids = stage.pool_ids(rows, k, logits.device, self.deferring)
-        if not self.selected(logits, ends, k, pool_ids):
+        fed = histogram if counted else None
+        if not self.selected(logits, ends, k, pool_ids, fed):
             logits = stage.upcast(logits, ends)
             get_indexer_topk(topk_backend)(
                 logits, seq_lens, next_n, pool_ids, k, max_seq_len
@@ -89,13 +94,29 @@ class LayerStep:
             stage.expand(pool_ids, positions[:rows], buffer[:rows])
         return True
 
-    def scores(self, q, kv_cache, weights, seq_lens, decode, max_model_len: int):
-        """``fp8_fp4_paged_mqa_logits(q, kv_cache, weights, seq_lens,
+    def histogram(self, rows: int, width: int) -> torch.Tensor | None:
+        """The stage's histogram rows for the opt-in scores to count and the
+        fed select to read, where the select runs after them on rows of
+        ``width`` columns that it takes (else None)."""
+        stage = self.stage
+        if stage.histogram is None or not fed_columns(width):
+            return None
+        if not self.deferring or not self.select_runs(rows, width, torch.float32):
+            return None
+        return stage.histogram[:rows]
+
+    def scores(
+        self, q, kv_cache, weights, seq_lens, decode, max_model_len: int,
+        histogram: torch.Tensor | None = None,
+    ):  # fmt: skip
+        """``(fp8_fp4_paged_mqa_logits(q, kv_cache, weights, seq_lens,
         decode.block_table, decode.schedule_metadata, max_model_len=
-        max_model_len, indices=decode.indices)``: where the deployment opted
-        in (``kpool_scores``) and the kernel takes the call, the opt-in
-        scores, whose rows hold DeepGEMM's logits below each entry's context
-        (all that the step reads of them), else DeepGEMM's."""
+        max_model_len, indices=decode.indices), counted)``: where the
+        deployment opted in (``kpool_scores``) and the kernel takes the call,
+        the opt-in scores, whose rows hold DeepGEMM's logits below each
+        entry's context (all that the step reads of them), else DeepGEMM's;
+        ``counted``: the opt-in scores counted their rows into
+        ``histogram``."""
         heads = self.stage.scores_heads
         if heads is not None:
             ours = (q, weights)
@@ -105,28 +126,40 @@ class LayerStep:
             logits = self.stage.kernels.scores.serve(
                 q=ours[0], kv_cache=kv_cache, weights=ours[1], seq_lens=seq_lens,
                 block_table=decode.block_table, max_model_len=max_model_len,
-                indices=decode.indices,
+                indices=decode.indices, histogram=histogram,
             )  # fmt: skip
             if logits is not STOCK:
-                return logits
-        return fp8_fp4_paged_mqa_logits(
+                return logits, histogram is not None
+        logits = fp8_fp4_paged_mqa_logits(
             q, kv_cache, weights, seq_lens, decode.block_table,
             decode.schedule_metadata, max_model_len=max_model_len,
             indices=decode.indices,
         )  # fmt: skip
+        return logits, False
 
-    def selected(self, logits, ends, k: int, out) -> bool:
-        """Whether the opt-in select wrote the top ``k`` pools below ``ends``
-        into ``out`` (no upcast): where the deployment opted in, the step
-        defers (its pool order reaches no consumer as logical rows) and
+    def select_runs(self, rows: int, width: int, dtype: torch.dtype) -> bool:
+        """Whether the step runs the opt-in select (rather than stock's
+        top-k): where the deployment opted in, the step defers (its pool
+        order reaches no consumer as logical rows) and
         (``select_one_wave``) one wave of clusters holds the rows."""
         stage = self.stage
         if not stage.select or not self.deferring:
             return False
+        return not stage.select_one_wave or one_wave(rows, width, dtype, stage.sms)
+
+    def selected(self, logits, ends, k: int, out, histogram=None) -> bool:
+        """Whether the opt-in select wrote the top ``k`` pools below ``ends``
+        into ``out`` (no upcast), where ``select_runs``: fed by the scores'
+        ``histogram`` where they counted one. A histogram the select did not
+        read is zeroed, as the select leaves one."""
         rows, width = logits.shape
-        if stage.select_one_wave and not one_wave(rows, width, logits.dtype, stage.sms):
+        if not self.select_runs(rows, width, logits.dtype):
             return False
-        ran = stage.kernels.select.serve(logits=logits, ends=ends, k=k, out=out)
+        select = self.stage.kernels.select
+        ran = select.serve(logits=logits, ends=ends, k=k, out=out, histogram=histogram)
+        if ran is STOCK and histogram is not None:
+            histogram.zero_()
+            ran = select.serve(logits=logits, ends=ends, k=k, out=out)
         return ran is not STOCK
 
 
@@ -163,6 +196,13 @@ class KpoolStage:
         fp32 = scores and not mx_scales
         heads = {attn.indexer.n_head for attn in attentions} if fp32 else set()
         self.scores_heads = served_heads(heads.pop()) if len(heads) == 1 else None
+        # What the opt-in scores count for the select that reads them (each
+        # row zeroed by the select that read it: zero between steps).
+        self.histogram = None
+        if select and self.scores_heads is not None:
+            self.histogram = torch.zeros(
+                (max_rows, HISTOGRAM), dtype=torch.int32, device=device
+            )
         self.executors: dict = {}
         self.kernels = StageKernels(
             UpdateKernel(self), ExpandKernel(self), RemapKernel(self),
@@ -291,7 +331,9 @@ class KpoolStage:
                 tail = "fused expand + remap"
                 if self.select:
                     rows = "one wave of rows" if self.select_one_wave else "every batch"
-                    tail = f"select (opt-in, {rows}), {tail}"
+                    # Where the scores count for it (FP32 scales, a kernel's heads).
+                    fed = ", fed by the scores" if self.histogram is not None else ""
+                    tail = f"select (opt-in, {rows}{fed}), {tail}"
             else:
                 tail = f"expand, stock conversion ({why or 'another layer is not'})"
             lines.append(f"{name}: update ({scales}), {upcast}, {tail}")

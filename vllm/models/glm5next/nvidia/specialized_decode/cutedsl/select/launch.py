@@ -21,6 +21,7 @@ from ..common.host import (
     mismatch,
     sm_count,
 )
+from .fed import HISTOGRAM, FedSelectTopk
 from .kernel import CAPACITIES, VECTOR, SelectTopk, ctas_per_sm
 
 # The k a compile key takes (stock's decode top-k serves 512, 1024, 2048).
@@ -32,6 +33,9 @@ MAX_ROWS_16 = 4
 # cluster, whose barrier and sums cost more): smaller ones cost more in
 # cluster barriers than they save in passes.
 MIN_SLICE = 4096
+# The widest rows the fed select takes (the bitmaps of its compile key's
+# ``columns``, two of them in shared memory).
+FED_COLUMNS = (32768, 65536, 131072, 262144)
 
 
 @functools.cache
@@ -76,14 +80,29 @@ def one_wave(rows: int, width: int, dtype: torch.dtype, sms: int) -> bool:
     return rows * cluster <= sms * ctas_per_sm(slice_capacity(width, dtype, cluster))
 
 
+def fed_columns(width: int) -> int:
+    """The fed select's ``columns`` for rows of ``width`` columns, or 0
+    where it takes none that wide."""
+    return next((c for c in FED_COLUMNS if width <= c), 0)
+
+
+def select_kernel(key: "SelectKernel.CompileKey"):
+    """The device code of ``key``: the fed select where it has ``columns``."""
+    return FedSelectTopk(key) if key.columns else SelectTopk(key)
+
+
 def in_one_wave(rows, width, dtype, sms):
     """``one_wave`` as a warmup predicate (vLLM traces its one expression)."""
     return one_wave(rows, width, dtype, sms)
 
 
-def check(logits, ends, k, out) -> None:
-    """What ``SelectTopk`` takes (raises ``Refused``)."""
-    check_devices(("logits", "ends", "out"), logits, ends, out, optional=("out",))
+def check(logits, ends, k, out, histogram=None) -> None:
+    """What ``SelectTopk`` (and with ``histogram``, ``FedSelectTopk``) takes
+    (raises ``Refused``)."""
+    check_devices(
+        ("logits", "ends", "out", "histogram"), logits, ends, out, histogram,
+        optional=("out", "histogram"),
+    )  # fmt: skip
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
         raise mismatch("k", f"an int in [1, {MAX_K}]", k)
     stride = logits.stride()
@@ -107,6 +126,20 @@ def check(logits, ends, k, out) -> None:
     ):  # fmt: skip
         expected = f"int32 [rows of logits, k = {k}], unit column stride"
         raise mismatch("out", expected, layout(out))
+    if histogram is None:
+        return
+    if logits.dtype is not torch.float32 or not fed_columns(logits.shape[1]):
+        expected = f"fp32 logits of at most {FED_COLUMNS[-1]} columns with a histogram"
+        raise mismatch("logits", expected, layout(logits))
+    if (
+        histogram.dtype is not torch.int32
+        or histogram.dim() != 2
+        or histogram.shape[0] < rows
+        or histogram.shape[1] != HISTOGRAM
+        or histogram.stride(1) != 1
+    ):
+        expected = f"int32 [>= rows of logits, {HISTOGRAM}], unit column stride"
+        raise mismatch("histogram", expected, layout(histogram))
 
 
 class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
@@ -131,18 +164,23 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
         dtype: torch.dtype
         cluster: int
         capacity: int
+        # The fed select's bitmap columns (``fed_columns``); 0: the select.
+        columns: int = 0
 
-    kernel = SelectTopk
+    kernel = staticmethod(select_kernel)
 
     def dispatch(  # type: ignore[override]
-        self, *, k: int, dtype: torch.dtype, rows: int, width: int, sms: int
-    ) -> CompileKey:
-        cluster = cluster_for(rows, width, dtype, sms)
+        self, *, k: int, dtype: torch.dtype, rows: int, width: int, sms: int,
+        fed: bool = False,
+    ) -> CompileKey:  # fmt: skip
+        # The fed select: one CTA a row, whatever the rows.
+        cluster = 1 if fed else cluster_for(rows, width, dtype, sms)
         return self.CompileKey(
             k=k,
             dtype=dtype,
             cluster=cluster,
-            capacity=slice_capacity(width, dtype, cluster),
+            capacity=0 if fed else slice_capacity(width, dtype, cluster),
+            columns=fed_columns(width) if fed else 0,
         )
 
     def get_warmup_keys(
@@ -160,15 +198,19 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
 
     def spec(
         self, *, logits: torch.Tensor, ends: torch.Tensor, k: int,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, histogram: torch.Tensor | None = None,
     ):  # fmt: skip
-        check(logits, ends, k, out)
+        check(logits, ends, k, out, histogram)
         rows, width = logits.shape
         if out is None:
             out = logits.new_empty((rows, k), dtype=torch.int32)
         sms = sm_count(logits.get_device())
-        key = self.dispatch(k=k, dtype=logits.dtype, rows=rows, width=width, sms=sms)
-        return key, (logits, ends, out) if rows else None, out
+        fed = histogram is not None
+        key = self.dispatch(
+            k=k, dtype=logits.dtype, rows=rows, width=width, sms=sms, fed=fed
+        )  # fmt: skip
+        args = (logits, ends, histogram, out) if fed else (logits, ends, out)
+        return key, args if rows else None, out
 
     __call__ = kernel_launcher(spec)
 
@@ -179,7 +221,12 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
         logits = fake(k.dtype, shape, stride, 16)
         ends = fake(torch.int32, (cute.sym_int(),), (1,))
         out = fake(torch.int32, (rows, k.k), (cute.sym_int64(), 1))
-        return logits, ends, out
+        if not k.columns:
+            return logits, ends, out
+        histogram = fake(
+            torch.int32, (cute.sym_int(), HISTOGRAM), (cute.sym_int64(), 1)
+        )
+        return logits, ends, histogram, out
 
 
 SELECT = SelectKernel()
