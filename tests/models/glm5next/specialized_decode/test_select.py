@@ -635,6 +635,44 @@ def test_select_and_remap_bytes_do_not_depend_on_the_batch():
     assert not failures, "\n".join(failures[:10])
 
 
+@pytest.mark.gpu
+def test_fed_select_bytes_do_not_depend_on_the_batch():
+    """The fed select: ``PROBES`` FP32 rows of 16K to 256K pools at random
+    places of batches of 1 to 256 rows beside random neighbours, fed the
+    counts of their logits (half the batches: none, so that each row counts
+    its own first digit): every probe's pool ids are the contract's, which
+    they are alone."""
+    seed = fuzz_seed()
+    gen = torch.Generator("cuda").manual_seed(seed)
+    rng = random.Random(seed)
+    batches = 0
+    failures = []
+    for width in (16384, 65536, 262144):
+        logits, ends, _ = _probe_rows(F32, width, gen)
+        want = contract_topk(logits, ends, K)
+        for batch in BATCHES:
+            batches += 1
+            places = rng.sample(range(batch), min(batch, PROBES))
+            probes = rng.sample(range(PROBES), len(places))
+            x = torch.randn(batch, width, device="cuda", generator=gen)
+            e = torch.randint(1, width + 1, (batch,), device="cuda", generator=gen)
+            e = e.to(I32)
+            for place, probe in zip(places, probes, strict=True):
+                x[place], e[place] = logits[probe], ends[probe]
+            histogram = cases.select_histogram(x, e.long())
+            if rng.random() < 0.5:
+                histogram.zero_()
+            got = SELECT(logits=x, ends=e, k=K, histogram=histogram)
+            for place, probe in zip(places, probes, strict=True):
+                if not torch.equal(got[place], want[probe]):
+                    failures.append(f"{width} batch {batch} row {place}: differ")
+    FUZZ_REPORT.append(
+        f"fed select batch invariance: {batches} batches of 1-256 rows, seed "
+        f"{seed}, {len(failures)} mismatches"
+    )
+    assert not failures, "\n".join(failures[:10])
+
+
 def whole_bin_rows(dtype, width: int, gen: torch.Generator) -> torch.Tensor:
     """One row a radix pass ``p``: its ``K`` largest keys share their first
     ``8 (p + 1)`` bits, which no other key has, and the others share the
