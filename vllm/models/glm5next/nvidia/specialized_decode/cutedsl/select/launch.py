@@ -156,7 +156,13 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
     lowest columns equal to ``T``, in ascending column order. One compile
     key per ``k``, logits dtype, cluster size (``cluster_for`` the rows and
     width on the device's SMs) and shared key capacity
-    (``slice_capacity``)."""
+    (``slice_capacity``).
+
+    With ``histogram`` (the stage's, the opt-in scores' counts of each
+    row's first digit; FP32 rows of at most ``FED_COLUMNS[-1]`` columns):
+    the fed select (``fed.py``), the same bytes whatever the counts hold, and
+    each row's 257 words zeroed. One compile key per ``k`` and bitmap
+    ``columns`` (``fed_columns``)."""
 
     @dataclass(frozen=True)
     class CompileKey:
