@@ -462,8 +462,9 @@ class FedSelectTopk(SelectTopk):
                     eq = equal[w]
                 packed = Int32(cute.arch.popc(gt)) + (Int32(cute.arch.popc(eq)) << 16)
                 before, tile_total = _block_scan(packed, totals, (t & 1) * WARPS)
+                # A tile's counts reach 32768: the high half is read unsigned.
                 at_above = above_run + (before & Int32(0xFFFF))
-                at_equal = equal_run + (before >> 16)
+                at_equal = equal_run + Int32(Uint32(before) >> Uint32(16))
                 bits = gt | eq
                 for _ in cutlass.range(Int32(cute.arch.popc(bits)), unroll=1):
                     j = Int32(cute.arch.bfind(bits & (Uint32(0) - bits)))
@@ -474,4 +475,4 @@ class FedSelectTopk(SelectTopk):
                     at_above = at_above + g
                     at_equal = at_equal + (1 - g)
                 above_run = above_run + (tile_total & Int32(0xFFFF))
-                equal_run = equal_run + (tile_total >> 16)
+                equal_run = equal_run + Int32(Uint32(tile_total) >> Uint32(16))
