@@ -199,10 +199,7 @@ SCORED = (
         (
             {"kpool_scores": True, "kpool_select": True},
             True,
-            (
-                f"{SCORED}select (opt-in, every batch, fed by the scores), "
-                "fused expand + remap."
-            ),
+            f"{SCORED}select (opt-in, every batch), fused expand + remap.",
         ),
     ],
 )

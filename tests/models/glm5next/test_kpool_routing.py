@@ -326,6 +326,7 @@ def test_scores_count_for_the_select(monkeypatch, bench, references, answer):
     step (the select zeroes what it read); the top-k rows as sets (the
     stock stand-in as ``test_select_opted_in``'s)."""
     references(topk=contract_decode_topk)
+    monkeypatch.setattr(stage_module, "FEED_SELECT", True)
     b = bench(TOKEN_ROWS[0].values[0], scores=True, select=True)
     calls = Scores(monkeypatch, b.stage, answer)
     got = b.run()
@@ -337,6 +338,19 @@ def test_scores_count_for_the_select(monkeypatch, bench, references, answer):
     fed = {key.columns > 0 for key in b.spies.launched["select"]}
     assert fed == ({True} if answer == "logits" else {False})
     assert not b.stage.histogram.any()
+    assert_same_sets(b, got)
+
+
+def test_the_select_is_not_fed_by_default(monkeypatch, bench, references):
+    """``FEED_SELECT`` off (the fed select measured slower): with the scores
+    and the select on, the scores count nothing and the select runs unfed."""
+    references(topk=contract_decode_topk)
+    b = bench(TOKEN_ROWS[0].values[0], scores=True, select=True)
+    calls = Scores(monkeypatch, b.stage, "logits")
+    got = b.run()
+    [served] = calls.served
+    assert served["histogram"] is None and b.stage.histogram is None
+    assert {key.columns for key in b.spies.launched["select"]} == {0}
     assert_same_sets(b, got)
 
 

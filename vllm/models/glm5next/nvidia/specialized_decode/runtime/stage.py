@@ -32,6 +32,10 @@ from .remap import Deferred, FusedRemap, why_not_fusable
 from .steps import PlannedSteps
 from .warmup import StageWarmup
 
+# Whether the stage feeds the select the opt-in scores' histogram (off:
+# slower than the cluster select, measured).
+FEED_SELECT = False
+
 
 class StageKernels(NamedTuple):
     """A stage's instances of the kernels (``KpoolKernel(stage)``)."""
@@ -196,10 +200,13 @@ class KpoolStage:
         fp32 = scores and not mx_scales
         heads = {attn.indexer.n_head for attn in attentions} if fp32 else set()
         self.scores_heads = served_heads(heads.pop()) if len(heads) == 1 else None
-        # What the opt-in scores count for the select that reads them (each
-        # row zeroed by the select that read it: zero between steps).
+        # What the opt-in scores would count for the fed select (each row
+        # zeroed by the select that read it). Not allocated: the fed select
+        # measured slower than the cluster select at every size on the H200
+        # (docs/performance.md, "The select fed by the scores"), so no step
+        # feeds it; ``FEED_SELECT`` turns it back on.
         self.histogram = None
-        if select and self.scores_heads is not None:
+        if FEED_SELECT and select and self.scores_heads is not None:
             self.histogram = torch.zeros(
                 (max_rows, HISTOGRAM), dtype=torch.int32, device=device
             )
