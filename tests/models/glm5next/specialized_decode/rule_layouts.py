@@ -257,20 +257,23 @@ def upcast_layouts(a: dict) -> list:
     # fmt: on
 
 
-def histograms(rows_: int, device) -> dict:
-    """The fed select's histogram of ``rows_`` rows and its edges: int32
-    [>= rows, 257] of unit column stride."""
-    zeros = dict(dtype=I32, device=device)
-    return {
-        "histogram": torch.zeros(rows_, 257, **zeros),
-        "histogram int64": torch.zeros(rows_, 257, dtype=I64, device=device),
-        "histogram 256 wide": torch.zeros(rows_, 256, **zeros),
-        "histogram a row short": torch.zeros(max(rows_ - 1, 0), 257, **zeros),
-        "histogram a row more": torch.zeros(rows_ + 1, 257, **zeros),
-        "histogram column stride 2": torch.zeros(rows_, 514, **zeros)[:, ::2],
-        "histogram rows padded": torch.zeros(rows_, 260, **zeros)[:, :257],
-        "histogram 1-d": torch.zeros(257, **zeros),
-    }
+def histogram_rows(rows_: int, device) -> list:
+    """The table rows of a histogram (the fed select's, the counting
+    scores'), each a fresh tensor: int32 [>= rows, 257] of unit column
+    stride taken, the rest refused naming it."""
+    h, i32 = "histogram", dict(dtype=I32, device=device)
+    # fmt: off
+    return [
+        ("histogram given", None, {h: torch.zeros(rows_, 257, **i32)}),
+        ("histogram int64", h, {h: torch.zeros(rows_, 257, dtype=I64, device=device)}),
+        ("histogram 256 wide", h, {h: torch.zeros(rows_, 256, **i32)}),
+        ("histogram a row short", h, {h: torch.zeros(max(rows_ - 1, 0), 257, **i32)}),
+        ("histogram a row more", None, {h: torch.zeros(rows_ + 1, 257, **i32)}),
+        ("histogram column stride 2", h, {h: torch.zeros(rows_, 514, **i32)[:, ::2]}),
+        ("histogram rows padded", None, {h: torch.zeros(rows_, 260, **i32)[:, :257]}),
+        ("histogram 1-d", h, {h: torch.zeros(257, **i32)}),
+    ]
+    # fmt: on
 
 
 def select_layouts(a: dict) -> list:
@@ -280,7 +283,7 @@ def select_layouts(a: dict) -> list:
     an int32 histogram [>= rows, 257] of unit column stride."""
     x, e, o, h = "logits", "ends", "out", "histogram"
     (rows_, width), k = a[x].shape, a["k"]
-    fed = histograms(rows_, a[e].device)
+    given = torch.zeros(rows_, 257, dtype=I32, device=a[e].device)
     # fmt: off
     return rows(a, [
         ("logits fp16", x, {x: dict(dtype=F16)}),
@@ -304,19 +307,12 @@ def select_layouts(a: dict) -> list:
         ("k 1024, out of 1024", None, {"k": 1024, o: dict(shape=(rows_, 1024))}),
         ("out left out", None, {o: None}),
         ("no rows", None, {x: dict(shape=(0, width), stride=a[x].stride()), o: None}),
-        ("histogram given", None, {h: fed[h]}),
-        ("histogram int64", h, {h: fed["histogram int64"]}),
-        ("histogram 256 wide", h, {h: fed["histogram 256 wide"]}),
-        ("histogram a row short", h, {h: fed["histogram a row short"]}),
-        ("histogram a row more", None, {h: fed["histogram a row more"]}),
-        ("histogram column stride 2", h, {h: fed["histogram column stride 2"]}),
-        ("histogram rows padded", None, {h: fed["histogram rows padded"]}),
-        ("histogram 1-d", h, {h: fed["histogram 1-d"]}),
-        ("histogram, bf16 logits", x, {h: fed[h], x: dict(dtype=BF16)}),
+        *histogram_rows(rows_, a[e].device),
+        ("histogram, bf16 logits", x, {h: given, x: dict(dtype=BF16)}),
         ("histogram, 262145 columns", x,
-         {h: fed[h], x: dict(shape=(rows_, 262145), stride=(262148, 1))}),
+         {h: given, x: dict(shape=(rows_, 262145), stride=(262148, 1))}),
         ("histogram, 262144 columns", None,
-         {h: fed[h], x: dict(shape=(rows_, 262144), stride=(262144, 1))}),
+         {h: given, x: dict(shape=(rows_, 262144), stride=(262144, 1))}),
     ])
     # fmt: on
 
@@ -329,14 +325,12 @@ def scores_layouts(a: dict) -> list:
     histogram (counted for the fed select) int32 [>= rows, 257] of unit
     column stride."""
     q, c, w, n, b, o = "q", "kv_cache", "weights", "seq_lens", "block_table", "out"
-    h = "histogram"
     values, kv = a[q][0], a[c]
     entries, next_n, heads, dim = values.shape
     blocks, block, _, row = kv.shape
     page, width = kv.stride(0), a[o].shape[1]
     rows_ = entries * next_n
     pages = dict(shape=kv.shape)
-    fed = histograms(rows_, a[n].device)
     # fmt: off
     return rows(a, [
         ("q e5m2", q, {q: dict(dtype=torch.float8_e5m2)}),
@@ -380,14 +374,7 @@ def scores_layouts(a: dict) -> list:
         ("out left out", None, {o: None}),
         ("indices given", "indices",
          {"indices": torch.zeros(rows_, dtype=I32, device=a[n].device)}),
-        ("histogram given", None, {h: fed[h]}),
-        ("histogram int64", h, {h: fed["histogram int64"]}),
-        ("histogram 256 wide", h, {h: fed["histogram 256 wide"]}),
-        ("histogram a row short", h, {h: fed["histogram a row short"]}),
-        ("histogram a row more", None, {h: fed["histogram a row more"]}),
-        ("histogram column stride 2", h, {h: fed["histogram column stride 2"]}),
-        ("histogram rows padded", None, {h: fed["histogram rows padded"]}),
-        ("histogram 1-d", h, {h: fed["histogram 1-d"]}),
+        *histogram_rows(rows_, a[n].device),
         ("no entries", None,
          {q: dict(shape=(0, next_n, heads, dim)), w: dict(shape=(0, heads)),
           n: dict(shape=(0, next_n)), b: dict(shape=(0, a[b].shape[1])),
