@@ -249,10 +249,13 @@ class Builder:
     ``flat`` (a row per token: uniform 3, or all with adaptive verification).
     vLLM 0.33.0 never pads non-uniform decodes (``require_uniform=True``):
     ``padded`` is the builder's own ``requires_padding`` path, reached by
-    answering native for every ``next_n``, splitting without it."""
+    answering native for every ``next_n``, splitting without it; with
+    ``deep_gemm`` (DeepGEMM's own scores, whose SM90 kernel takes ``next_n``
+    1, 2 or 4) native only for those, as SM90 answers."""
 
-    def __init__(self, geo: Geometry, backend: Backend, device):
+    def __init__(self, geo: Geometry, backend: Backend, device, deep_gemm=False):
         self.geo, self.backend, self.device = geo, backend, torch.device(device)
+        self.deep_gemm = deep_gemm
         t, r, blocks = geo.max_tokens, geo.max_reqs, geo.max_model_len // geo.block
 
         def buf(*shape, dtype=torch.int32, fill=0):
@@ -314,7 +317,7 @@ class Builder:
         answers = dict(
             _supports_varlen_paged_mqa_logits=lambda: varlen,
             _supports_flattened_device_query_lens=lambda: not varlen,
-            _supports_native_decode=lambda n: varlen or padded or n in (1, 2, 4),
+            _supports_native_decode=self.native,
             num_compute_units=lambda index: 132,
         )
         if self.device.type == "cpu":
@@ -327,6 +330,12 @@ class Builder:
             for name, value in answers.items():
                 stack.enter_context(mock.patch.object(meta, name, value))
             yield
+
+    def native(self, next_n: int) -> bool:
+        """``_supports_native_decode``: the backend path's answer."""
+        if self.backend.varlen or next_n in (1, 2, 4):
+            return True
+        return self.backend.nonuniform == "padded" and not self.deep_gemm
 
     def built(self, common):
         """The indexer's and the tail's metadata by vLLM's builders (the
@@ -377,7 +386,8 @@ class Builder:
         """The builder's decode rows: native (``[B, max q_len]``, padded
         when not uniform), else a row per token (varlen: with indices)."""
         out, lmax = self.out, max(d)
-        native = not self.backend.varlen and self.backend.nonuniform == "padded"
+        padded = self.backend.nonuniform == "padded"
+        native = not self.backend.varlen and padded and self.native(lmax)
         rows_of = [lmax] * len(d) if native else d  # rows a request
         rows = [i for i, n in enumerate(rows_of) for _ in range(n)]
         ends = [

@@ -439,14 +439,16 @@ class Sim:
     """One configuration: geometry, backend path, device, the initial caches
     (an index cache of finite FP8 keys scaled ``2^-12 .. 2^-5``, MX: four
     equal UE8M0 bytes, as the update writes them) and inputs every model
-    reads, the scheduler and the metadata builder."""
+    reads, the scheduler and the metadata builder (``deep_gemm``: the
+    decode rows DeepGEMM's own scores take)."""
 
-    def __init__(self, geo, backend, device, seed: int, timeline=None, work=None):
+    def __init__(self, geo, backend, device, seed: int, timeline=None, work=None,
+                 deep_gemm=False):  # fmt: skip
         self.geo, self.backend, self.device = geo, backend, torch.device(device)
         self.timeline = [] if timeline is None else timeline
         self.gen = g = torch.Generator(self.device).manual_seed(seed)
         self.sched = Scheduler(geo, work or Workload(), random.Random(seed))
-        self.builder = Builder(geo, backend, self.device)
+        self.builder = Builder(geo, backend, self.device, deep_gemm)
         dev, n, t, page = self.device, geo.layers, geo.max_tokens, geo.page
         blocks = geo.num_blocks
         self.kv = []
@@ -911,7 +913,11 @@ class Run:
             )
         self.cfg, self.patch, self.device = cfg, patch, torch.device(device)
         cuda = self.device.type == "cuda"
-        self.sim = Sim(cfg.geo, BACKENDS[cfg.backend], device, cfg.seed, work=cfg.work)
+        backend = BACKENDS[cfg.backend]
+        # CUDA, opted-in scores: stock's are DeepGEMM's (``deep_gemm_logits``).
+        deep_gemm = cuda and cfg.scores
+        self.sim = Sim(cfg.geo, backend, device, cfg.seed, work=cfg.work,
+                       deep_gemm=deep_gemm)  # fmt: skip
         names = ("stock", "stage", "stage 2")[: 1 + cfg.stages]
         self.sides = [Model(self.sim, name) for name in names]
         for side in self.sides:
@@ -931,8 +937,8 @@ class Run:
         cuda = self.stream is not None
         if not topk and (cuda or hasattr(sys.modules["vllm"], "__kernel_env__")):
             topk = stable_decode_topk
-        # CUDA, opted-in scores: stock's are DeepGEMM's, whose bytes ours keep.
-        logits = deep_gemm_logits if cuda and self.cfg.scores else paged_logits
+        # Stock's scores are DeepGEMM's where ours are compared with its bytes.
+        logits = deep_gemm_logits if self.sim.builder.deep_gemm else paged_logits
         references(self.patch, [sparse_indexer], self.device, logits, topk)
         if self.stream is not None:  # after the initial state's stream
             self.stream.wait_stream(torch.cuda.current_stream())

@@ -45,11 +45,16 @@ def differences(built, laid, where: str) -> list[str]:
     return [] if built == laid else [f"{where}: {built!r} != {laid!r}"]
 
 
-@pytest.mark.parametrize("name", sorted(BACKENDS))
-def test_laid_metadata_is_what_vllm_builds(monkeypatch, name):
+@pytest.mark.parametrize(
+    "name, deep_gemm",
+    [(name, False) for name in sorted(BACKENDS)] + [("flashmla_fp8", True)],
+)
+def test_laid_metadata_is_what_vllm_builds(monkeypatch, name, deep_gemm):
+    """``deep_gemm``: the padded path where DeepGEMM's SM90 kernel scores
+    (a step of at most 3 tokens a request goes flat)."""
     geo = Geometry(layers=1, max_tokens=256, max_reqs=16)
-    builder = Builder(geo, BACKENDS[name], "cpu")
-    found, steps = [], 0
+    builder = Builder(geo, BACKENDS[name], "cpu", deep_gemm)
+    found, steps, layouts, widths = [], 0, set(), set()
     built = builder.built
 
     def both(common):
@@ -65,9 +70,15 @@ def test_laid_metadata_is_what_vllm_builds(monkeypatch, name):
         batch = sched.schedule()
         if batch.items:
             full = batch.kind == "decode" and batch.uniform and steps % 3 == 0
-            builder.build(
+            step = builder.build(
                 batch, rows=batch.tokens, full=full, pad_reqs=2 if full else 0
             )
+            layouts.add(step.layout)
+            decode = next(iter(step.metadata.values())).decode
+            if step.layout in ("native", "padded"):
+                widths.add(decode.seq_lens.view(decode.seq_lens.shape[0], -1).shape[1])
             sched.commit(batch)
         steps += 1
     assert found == [], found[:5]
+    if deep_gemm:  # both layouts reached, DeepGEMM's next_n only
+        assert layouts >= {"padded", "flat"} and widths <= {1, 2, 4}, (layouts, widths)
