@@ -17,9 +17,10 @@
 #   gpu_tier.sh --select-fuzz [PYTEST ARGS]
 #       the select's GPU tests (SELECT_TESTS), KPOOL_FUZZ_CASES (10000) cases
 #       a fuzz loop
-#   gpu_tier.sh --select-ncu     ncu sections of one select launch at 1, 8 and
-#                                64 rows of 65536 FP32 pools (select_launch.py),
-#                                and the stall samples of each SASS line (CSV)
+#   gpu_tier.sh --select-ncu [float32|bfloat16|fed]
+#       ncu sections of one select launch at 1, 8 and 64 rows of 65536 pools
+#       (select_launch.py; fed: the fed select given the rows' histogram), and
+#       the stall samples of each SASS line (CSV)
 #   gpu_tier.sh --summarize [--strict] XML...
 #       the summary line of pytest JUnit XMLs (--strict: a skip fails too)
 #
@@ -127,20 +128,22 @@ case ${1:-} in
     # shellcheck disable=SC2086
     run_tests select_fuzz "" $SELECT_TESTS -m "gpu and not stock_topk" "$@" ;;
   --select-ncu)
+    kind=${2:-float32}
+    case $kind in float32 | bfloat16 | fed) ;; *) die "--select-ncu: '$kind', not float32, bfloat16 or fed" ;; esac
     setup
     status=0
     for rows in 1 8 64; do
       # Three launches, the sections and the stall samples of each SASS
       # line (--page source, CSV: where the warps wait).
-      rep="$logs/select_ncu_${rows}x65536"
+      rep="$logs/select_ncu_${kind}_${rows}x65536"
       timeout 240 ncu --clock-control none -k regex:Select -c 3 --section SpeedOfLight \
         --section WarpStateStats --section Occupancy --section LaunchStats \
         --section SourceCounters --warp-sampling-interval 0 -f -o "$rep" \
-        python3 tools/kernel_env/select_launch.py "$rows" 65536 float32 >"$rep.log" 2>&1 &&
+        python3 tools/kernel_env/select_launch.py "$rows" 65536 "$kind" >"$rep.log" 2>&1 &&
         ncu -i "$rep.ncu-rep" >"$rep.txt" 2>&1 &&
         ncu -i "$rep.ncu-rep" --page source --print-source sass --csv >"$rep.csv" 2>&1 ||
         status=1
-      echo "select ncu, $rows rows of 65536 FP32 pools ($rep.txt, $rep.csv):"
+      echo "select ncu, $rows rows of 65536 $kind pools ($rep.txt, $rep.csv):"
       grep -E "^key" "$rep.log"
       grep -E "Duration|Warp Cycles Per Issued|Achieved Occupancy" "$rep.txt" || tail -3 "$rep.log"
     done

@@ -2,9 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Three ``select_topk`` launches (k 512) on ``rows`` x ``width`` random
 normals with full row ends, for a profiler to catch one (``gpu_tier.sh
---select-ncu``), in the kernel-only environment; prints the compile key:
+--select-ncu``), in the kernel-only environment; prints the compile key.
+``fed``: the fed select on FP32 logits, each launch given the rows' counted
+histogram (``cases.select_histogram``, as our scores count it):
 
-    python3 tools/kernel_env/select_launch.py ROWS WIDTH float32|bfloat16
+    python3 tools/kernel_env/select_launch.py ROWS WIDTH float32|bfloat16|fed
 """
 
 import sys
@@ -21,6 +23,9 @@ install_from_env()
 
 import torch  # noqa: E402
 
+from vllm.models.glm5next.nvidia.specialized_decode.cases import (  # noqa: E402
+    select_histogram,
+)
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (  # noqa: E402
     SELECT,
 )
@@ -28,12 +33,21 @@ from vllm.models.glm5next.nvidia.specialized_decode.kpool import select_topk  # 
 
 
 def main(rows: int, width: int, dtype: str) -> None:
-    logits = torch.randn(rows, width, device="cuda").to(getattr(torch, dtype))
+    fed = dtype == "fed"
+    logits = torch.randn(rows, width, device="cuda")
+    logits = logits if fed else logits.to(getattr(torch, dtype))
     ends = torch.full((rows,), width, dtype=torch.int32, device="cuda")
     out = torch.empty(rows, 512, dtype=torch.int32, device="cuda")
-    print("key", SELECT.spec(logits=logits, ends=ends, k=512, out=out)[0])
+    counted = select_histogram(logits, ends) if fed else None
+    histogram = torch.empty_like(counted) if fed else None
+    args = dict(logits=logits, ends=ends, k=512, out=out)
+    print("key", SELECT.spec(**args, histogram=histogram)[0])
     for _ in range(3):
-        select_topk(logits, ends, 512, out=out)
+        if fed:  # the select zeroes what it read
+            histogram.copy_(counted)
+            SELECT(**args, histogram=histogram)
+        else:
+            select_topk(logits, ends, 512, out=out)
     torch.cuda.synchronize()
 
 

@@ -412,7 +412,8 @@ def test_select_ptx(arch, cluster, capacity, dtype):
 def test_fed_select_ptx(columns):
     """The fed select: PDL; no spills within one 1024-thread CTA's 64
     registers; 16-byte row loads; the keys; the histogram's words read and
-    zeroed; shared counts and bitmap words; no cluster."""
+    zeroed; shared counts and bitmap words; the copies' slots by a shared
+    atomic a key (no ballot: a copy is each thread's own); no cluster."""
     key = SELECT.CompileKey(K, F32, 1, 0, columns)
     text = compile_ptx(SELECT, key, "sm_90a")
     count = ops(text)
@@ -425,7 +426,8 @@ def test_fed_select_ptx(columns):
     assert "ld.global.nc.v4.b32" in text
     assert "shr.s32 m," in text and "or.b32 m,m,0x80000000" in text
     assert "atom.shared.or.b32" in text or "red.shared.or.b32" in text
-    assert "vote.sync.any.pred" in text and "vote.sync.ballot.b32" in text
+    assert "vote.sync.any.pred" in text and "vote.sync.ballot.b32" not in text
+    assert "atom.shared.add.u32" in text or "atom.shared.add.s32" in text
     assert "barrier.cluster" not in text and "mapa" not in text
 
 
