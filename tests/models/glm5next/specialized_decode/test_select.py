@@ -412,8 +412,7 @@ def test_select_ptx(arch, cluster, capacity, dtype):
 def test_fed_select_ptx(columns):
     """The fed select: PDL; no spills within one 1024-thread CTA's 64
     registers; 16-byte row loads; the keys; the histogram's words read and
-    zeroed; shared counts and bitmap words; the copies' slots by a shared
-    atomic a key (no ballot: a copy is each thread's own); no cluster."""
+    zeroed; shared counts and bitmap words; no cluster."""
     key = SELECT.CompileKey(K, F32, 1, 0, columns)
     text = compile_ptx(SELECT, key, "sm_90a")
     count = ops(text)
@@ -426,8 +425,7 @@ def test_fed_select_ptx(columns):
     assert "ld.global.nc.v4.b32" in text
     assert "shr.s32 m," in text and "or.b32 m,m,0x80000000" in text
     assert "atom.shared.or.b32" in text or "red.shared.or.b32" in text
-    assert "vote.sync.any.pred" in text and "vote.sync.ballot.b32" not in text
-    assert "atom.shared.add.u32" in text or "atom.shared.add.s32" in text
+    assert "vote.sync.any.pred" in text and "vote.sync.ballot.b32" in text
     assert "barrier.cluster" not in text and "mapa" not in text
 
 
@@ -782,35 +780,18 @@ def test_fed_select_matches_the_contract():
     fuzz("fed select", 2000, check)
 
 
-def gathered_bin_rows(width: int, gen: torch.Generator) -> torch.Tensor:
-    """A row (none where too narrow) whose pass-0 threshold bin, 2,000 keys
-    in [2, 8), lies in the columns of one warp of the fed select's read (the
-    vectors ``v`` with ``v % THREADS < 32``): its segment fills, and that
-    read must count instead of copying. 100 keys above, -1.0 below."""
-    columns = torch.arange(width)
-    first = columns[(columns // VECTOR[F32]) % THREADS < 32]
-    if len(first) < 2000:
-        return torch.empty(0, width)
-    row = torch.full((width,), -1.0)
-    row[first[:2000]] = 2 + 6 * torch.rand(2000, generator=gen)
-    row[columns[(columns // VECTOR[F32]) % THREADS >= 32][:100]] = 100.0
-    return row[None]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [K + 1, 65536, 262144])
 def test_fed_select_edges(width):
     """The fed select on the rows of the select's edge tests (whole bins at
     each pass, +0.0 plateaus, all-special and signed-zero rows), fed the
-    histogram the scores would count and none; a bin gathered in one
-    warp's columns first (its end the row's width): the contract's columns,
-    the histogram zeroed."""
+    histogram the scores would count and none: the contract's columns, the
+    histogram zeroed."""
     gen = torch.Generator().manual_seed(width + 2)
     special = cases.special_values(F32, "cpu")
     signed = torch.zeros(2, width)
     signed[:, 1::2] = -0.0
     rows = [
-        gathered_bin_rows(width, gen),
         whole_bin_rows(F32, width, gen),
         zero_plateau_rows(F32, width, gen),
         special[torch.randint(0, special.numel(), (2, width), generator=gen)],

@@ -14,18 +14,12 @@ that checks the counts it relied on (the keys above the threshold bin, the
 keys in it) and, where they differ, starts over without the hint: the bytes
 never depend on the histogram.
 
-Then: while the threshold bin holds more than ``COPIED`` keys, one read of
-the row counts the next digit within it; once it fits, one read marks the
+Then: while the threshold bin holds more than ``CANDIDATES`` keys, one read
+of the row counts the next digit within it; once it fits, one read marks the
 columns above the bin in a bitmap and copies the bin's keys and columns into
 shared memory, whose remaining digits the CTA refines alone. The threshold
 found, the columns above it and those equal to it are two bitmaps, and one
 scan of their words writes the ``k`` columns in ascending order.
-
-In the reads that mark and copy, each thread acts on its own keys alone (a
-bin holds a few percent of a row's keys, so nearly every warp holds one: a
-warp-wide step per vector would cost every vector): a column above sets its
-bit with one shared OR, a copy takes a slot in its warp's segment of the
-shared copies. A segment that fills makes the read count instead.
 """
 
 import cuda.bindings.driver as cuda
@@ -40,20 +34,15 @@ from .kernel import _load_shared4 as load_shared4
 # The histogram's words a row: the 256 bins, then the +0.0 count.
 HISTOGRAM = BINS + 1
 # The threshold bin's keys the CTA refines in shared memory (a key and a
-# column each), a segment a warp: a copy's slot needs no atomic across warps.
+# column each).
 CANDIDATES = 8192
-SEGMENT = CANDIDATES // WARPS
-# The largest bin a read copies: a row's keys go to its warps evenly (a
-# vector a lane in turn), so each warp's share of it stays under SEGMENT
-# unless the bin's columns gather in one warp's.
-COPIED = CANDIDATES * 3 // 4
 # 16-byte row loads in flight per thread in a read of the row.
 UNROLL = 4
 ZERO_KEY = 0x80000000
 # ``found``'s words: what a find writes (the digit, the count above its bin,
-# how the passes end) and what a read counts (``FULL``: a segment filled).
-DIGIT, ABOVE, SUM, TAKEN, EARLY, ZEROS, SEEN_ABOVE, SEEN_BIN, FULL = range(9)
-FOUND = 9
+# how the passes end) and what a read counts.
+DIGIT, ABOVE, SUM, TAKEN, EARLY, ZEROS, SEEN_ABOVE, SEEN_BIN = range(8)
+FOUND = 8
 # What a read of the row does with a key (``visit_row``).
 COUNT, COLLECT, MARK = range(3)
 
@@ -116,13 +105,11 @@ class FedSelectTopk(SelectTopk):
         columns = smem.allocate_tensor(Int32, cute.make_layout(CANDIDATES), 16)
         above = smem.allocate_tensor(Uint32, cute.make_layout(self.words), 16)
         equal = smem.allocate_tensor(Uint32, cute.make_layout(self.words), 16)
-        # The copies a warp's segment holds (past SEGMENT: it filled).
-        filled = smem.allocate_tensor(Int32, cute.make_layout(WARPS))
-        return hist, totals, found, keys, columns, above, equal, filled
+        return hist, totals, found, keys, columns, above, equal
 
     @cute.jit
     def select_row(self, base, out, row, end, tid, counted, shared):
-        hist, found = shared[0], shared[2]
+        hist, totals, found, keys, columns, above, equal = shared
         if tid < BINS:
             hist[tid] = counted
         if tid == BINS:
@@ -155,7 +142,7 @@ class FedSelectTopk(SelectTopk):
         in ``above`` and ``equal``; ``(.., .., 0)`` where a read found the
         histogram's counts wrong. ``hinted``: pass 0 from the histogram's
         counts, else counted here."""
-        hist, _, found, _, _, above, equal, filled = shared
+        hist, _, found, keys, columns, above, equal = shared
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         for w in cutlass.range(tid, (end + 31) // 32, THREADS, unroll=1):
@@ -181,15 +168,14 @@ class FedSelectTopk(SelectTopk):
         in_bin = hist[digit] - zeros * skip_zero
         good = Int32(1)
         copied = Int32(0)
+        n = Int32(0)
         for p in cutlass.range_constexpr(1, 4):
             shift = 24 - 8 * p
             if (Int32(early == 0) & good) == 1:
-                if (Int32(in_bin <= COPIED) & (1 - copied)) == 1:
+                if (Int32(in_bin <= CANDIDATES) & (1 - copied)) == 1:
                     # The bin's keys to shared memory, the columns above it
                     # to ``above``.
                     cut = prefix | Uint32((1 << (shift + 8)) - 1)
-                    if tid < WARPS:
-                        filled[tid] = Int32(0)
                     self.clear_seen(tid, found)
                     self.visit_row(
                         base, end, tid, shared, COLLECT, p, prefix, cut, skip_zero
@@ -197,13 +183,14 @@ class FedSelectTopk(SelectTopk):
                     taken = found[TAKEN]
                     seen = found[SEEN_ABOVE]
                     good = Int32(taken == in_bin) & Int32(seen == self.k - remaining)
-                    copied = 1 - found[FULL]
+                    n = cutlass.min(taken, Int32(CANDIDATES))
+                    copied = Int32(1)
                 current = (p % 2) * BINS
                 if tid < BINS:
                     hist[current + tid] = Int32(0)
                 self.clear_seen(tid, found)
                 if copied == 1:
-                    self.count_copied(p, prefix, tid, shared, current)
+                    self.count_copied(p, prefix, n, tid, shared, current)
                 else:
                     self.visit_row(
                         base, end, tid, shared, COUNT, p, prefix, prefix, skip_zero
@@ -225,7 +212,7 @@ class FedSelectTopk(SelectTopk):
             threshold, need = prefix - Uint32(1), Int32(0)
         if good == 1:
             if copied == 1:
-                self.mark_copied(tid, threshold, shared)
+                self.mark_copied(n, tid, threshold, shared)
             else:
                 self.clear_seen(tid, found)
                 self.visit_row(base, end, tid, shared, MARK, 0, threshold, threshold)
@@ -243,7 +230,6 @@ class FedSelectTopk(SelectTopk):
             found[TAKEN] = Int32(0)
             found[SEEN_ABOVE] = Int32(0)
             found[SEEN_BIN] = Int32(0)
-            found[FULL] = Int32(0)
         cute.arch.barrier()
 
     @cute.jit
@@ -256,22 +242,17 @@ class FedSelectTopk(SelectTopk):
           ``low``'s bin of pass ``p - 1``, in ``found[SEEN_BIN]`` too);
         - ``COLLECT``: a key above ``cut`` sets its column in ``above``
           (``found[SEEN_ABOVE]``); a key of ``low``'s bin of pass ``p - 1``
-          goes to its warp's segment of the shared keys and columns
-          (``filled``; then ``found[TAKEN]``, and ``found[FULL]`` where a
-          segment filled);
+          goes to the shared keys and columns (``found[TAKEN]``);
         - ``MARK``: a key above ``low`` sets ``above``, one equal to it
           ``equal`` (``found[SEEN_BIN]``).
 
-        ``skip_zero``: +0.0 is in no bin. In a count a warp looks at a
-        vector's keys only where one of its lanes holds a key at or above
-        ``low``; a copy or a mark is each thread's own."""
-        hist, _, found, _, _, _, _, filled = shared
-        lane = cute.arch.lane_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        # A count's keys: pass 0 every key, else those at or above its bin
-        # (+0.0 past it where it is skipped).
-        hot_low = low + Uint32(Int32(low == ZERO_KEY) & Int32(skip_zero))
-        if cutlass.const_expr(p == 0):
+        ``skip_zero``: +0.0 is in no bin. A warp looks at a vector's keys
+        only where one of its lanes holds a key at or above ``low``."""
+        hist, _, found, _, _, _, _ = shared
+        hot_low = low
+        if cutlass.const_expr(mode != MARK):
+            hot_low = low + Uint32(Int32(low == ZERO_KEY) & Int32(skip_zero))
+        if cutlass.const_expr(mode == COUNT and p == 0):
             hot_low = Uint32(0)
         zeros = Int32(0)
         seen_above = Int32(0)
@@ -288,18 +269,13 @@ class FedSelectTopk(SelectTopk):
                 v = v0 + u * THREADS
                 ok = Int32(v < full)
                 keys = [_key32(w) for w in loaded[u]]
-                if cutlass.const_expr(mode == COUNT):
-                    hot = Int32(0)
-                    for key in keys:
-                        hot = hot | Int32(key >= hot_low)
-                    if cute.arch.vote_any_sync((hot & ok) != 0):
-                        zeros, seen_bin = self.count_vector(
-                            keys, ok, hist, p, low, skip_zero, zeros, seen_bin
-                        )
-                else:
-                    seen_above, seen_bin = self.mark_vector(
-                        keys, v, ok, shared, mode, p, low, cut, skip_zero, warp,
-                        seen_above, seen_bin,
+                hot = Int32(0)
+                for key in keys:
+                    hot = hot | Int32(key >= hot_low)
+                if cute.arch.vote_any_sync((hot & ok) != 0):
+                    zeros, seen_above, seen_bin = self.visit_vector(
+                        keys, v, ok, shared, mode, p, low, cut, skip_zero,
+                        zeros, seen_above, seen_bin,
                     )  # fmt: skip
         if tid == 0:
             # The row end's last columns, one at a time.
@@ -312,7 +288,7 @@ class FedSelectTopk(SelectTopk):
         zeros = cute.arch.warp_redux_sync(zeros, "add")
         seen_above = cute.arch.warp_redux_sync(seen_above, "add")
         seen_bin = cute.arch.warp_redux_sync(seen_bin, "add")
-        if lane == 0:
+        if cute.arch.lane_idx() == 0:
             if cutlass.const_expr(mode == COUNT and p == 0):
                 cute.arch.atomic_add(hist.iterator + (ZERO_KEY >> 24), zeros)
                 cute.arch.atomic_add(found.iterator + ZEROS, zeros)
@@ -320,15 +296,6 @@ class FedSelectTopk(SelectTopk):
                 cute.arch.atomic_add(found.iterator + SEEN_ABOVE, seen_above)
                 cute.arch.atomic_add(found.iterator + SEEN_BIN, seen_bin)
         cute.arch.barrier()
-        if cutlass.const_expr(mode == COLLECT):
-            if warp == 0:
-                fill = filled[lane]
-                taken = cute.arch.warp_redux_sync(fill, "add")
-                most = cute.arch.warp_redux_sync(fill, "max")
-                if lane == 0:
-                    found[TAKEN] = taken
-                    found[FULL] = Int32(most > SEGMENT)
-            cute.arch.barrier()
 
     @cute.jit
     def in_bin(self, key, p, low, skip_zero):
@@ -356,56 +323,72 @@ class FedSelectTopk(SelectTopk):
         return zeros, seen_bin
 
     @cute.jit
-    def count_vector(self, keys, ok, hist, p, low, skip_zero, zeros, seen_bin):
-        """``visit_row``'s count of one vector's keys."""
-        for j in cutlass.range_constexpr(4):
-            take = ok
-            if cutlass.const_expr(p > 0):
-                take = ok & self.in_bin(keys[j], p, low, skip_zero)
-            zeros, seen_bin = self.count_key(keys[j], take, p, hist, zeros, seen_bin)
-        return zeros, seen_bin
+    def visit_vector(
+        self, keys, v, ok, shared, mode, p, low, cut, skip_zero, zeros,
+        seen_above, seen_bin,
+    ):  # fmt: skip
+        """``visit_row``'s keys of vector ``v`` (columns ``4 v`` on), the
+        whole warp at once: 8 lanes' 32 columns are one word of a bitmap."""
+        hist, _, found, copied_keys, copied_columns, above, equal = shared
+        lane = cute.arch.lane_idx()
+        if cutlass.const_expr(mode == COUNT):
+            for j in cutlass.range_constexpr(4):
+                take = ok
+                if cutlass.const_expr(p > 0):
+                    take = ok & self.in_bin(keys[j], p, low, skip_zero)
+                zeros, seen_bin = self.count_key(
+                    keys[j], take, p, hist, zeros, seen_bin
+                )
+        else:
+            top = cut if cutlass.const_expr(mode == COLLECT) else low
+            higher = Uint32(0)
+            same = Uint32(0)
+            for j in cutlass.range_constexpr(4):
+                higher = higher | (Uint32(ok & Int32(keys[j] > top)) << Uint32(j))
+                if cutlass.const_expr(mode == MARK):
+                    same = same | (Uint32(ok & Int32(keys[j] == low)) << Uint32(j))
+            seen_above = seen_above + Int32(cute.arch.popc(higher))
+            self.set_bits(above, v, higher, lane)
+            if cutlass.const_expr(mode == MARK):
+                seen_bin = seen_bin + Int32(cute.arch.popc(same))
+                self.set_bits(equal, v, same, lane)
+            else:
+                for j in cutlass.range_constexpr(4):
+                    take = ok & self.in_bin(keys[j], p, low, skip_zero)
+                    ballot = Uint32(cute.arch.vote_ballot_sync(take == 1))
+                    if ballot != 0:
+                        first = Int32(0)
+                        if lane == 0:
+                            first = cute.arch.atomic_add(
+                                found.iterator + TAKEN, Int32(cute.arch.popc(ballot))
+                            )
+                        first = cute.arch.shuffle_sync(first, offset=0)
+                        if take == 1:
+                            before = ballot & cute.arch.lanemask_lt()
+                            slot = first + Int32(cute.arch.popc(before))
+                            if slot < CANDIDATES:
+                                copied_keys[slot] = keys[j]
+                                copied_columns[slot] = v * 4 + j
+        return zeros, seen_above, seen_bin
 
     @cute.jit
-    def mark_vector(
-        self, keys, v, ok, shared, mode, p, low, cut, skip_zero, warp, seen_above,
-        seen_bin,
-    ):  # fmt: skip
-        """``visit_row``'s copy or mark of vector ``v``'s keys (columns
-        ``4 v`` on), this thread alone: 8 vectors' columns are one word of a
-        bitmap."""
-        _, _, _, copied_keys, copied_columns, above, equal, filled = shared
-        top = cut if cutlass.const_expr(mode == COLLECT) else low
-        higher = Uint32(0)
-        same = Uint32(0)
-        for j in cutlass.range_constexpr(4):
-            higher = higher | (Uint32(ok & Int32(keys[j] > top)) << Uint32(j))
-            if cutlass.const_expr(mode == MARK):
-                same = same | (Uint32(ok & Int32(keys[j] == low)) << Uint32(j))
-        at = Uint32(4 * (v % 8))
-        if higher != 0:
-            seen_above = seen_above + Int32(cute.arch.popc(higher))
-            cute.arch.atomic_or(above.iterator + v // 8, higher << at)
-        if cutlass.const_expr(mode == MARK):
-            if same != 0:
-                seen_bin = seen_bin + Int32(cute.arch.popc(same))
-                cute.arch.atomic_or(equal.iterator + v // 8, same << at)
-        else:
-            for j in cutlass.range_constexpr(4):
-                if (ok & self.in_bin(keys[j], p, low, skip_zero)) == 1:
-                    slot = cute.arch.atomic_add(filled.iterator + warp, Int32(1))
-                    if slot < SEGMENT:
-                        copied_keys[warp * SEGMENT + slot] = keys[j]
-                        copied_columns[warp * SEGMENT + slot] = v * 4 + j
-        return seen_above, seen_bin
+    def set_bits(self, bitmap, v, nibble, lane):
+        """ORs each lane's ``nibble`` (the bits of its vector ``v``'s four
+        columns) into ``bitmap``: one word a group of 8 lanes."""
+        bits = nibble << Uint32(4 * (lane % 8))
+        for offset in cutlass.range_constexpr(3):
+            bits = bits | Uint32(cute.arch.shuffle_sync_bfly(bits, offset=1 << offset))
+        if lane % 8 == 0:  # noqa: SIM102
+            if bits != 0:
+                cute.arch.atomic_or(bitmap.iterator + v // 8, bits)
 
     @cute.jit
     def visit_key(
         self, key, column, shared, mode, p, low, cut, skip_zero, zeros,
         seen_above, seen_bin,
     ):  # fmt: skip
-        """``visit_row``'s one key at ``column``, thread 0 alone (warp 0's
-        segment)."""
-        hist, _, _, copied_keys, copied_columns, above, equal, filled = shared
+        """``visit_row``'s one key at ``column``, one thread alone."""
+        hist, _, found, copied_keys, copied_columns, above, equal = shared
         bit = Uint32(1) << Uint32(column % 32)
         if cutlass.const_expr(mode == COUNT):
             take = Int32(1)
@@ -422,53 +405,50 @@ class FedSelectTopk(SelectTopk):
                     cute.arch.atomic_or(equal.iterator + column // 32, bit)
                     seen_bin = seen_bin + 1
             elif self.in_bin(key, p, low, skip_zero) == 1:
-                slot = cute.arch.atomic_add(filled.iterator, Int32(1))
-                if slot < SEGMENT:
+                slot = cute.arch.atomic_add(found.iterator + TAKEN, Int32(1))
+                if slot < CANDIDATES:
                     copied_keys[slot] = key
                     copied_columns[slot] = column
         return zeros, seen_above, seen_bin
 
     @cute.jit
-    def count_copied(self, p, prefix, tid, shared, current):
-        """Pass ``p``'s count over the shared keys (the segments' ``filled``
-        first slots) of ``prefix``'s bin of pass ``p - 1``, then a CTA
-        barrier."""
-        hist, _, _, keys, _, _, _, filled = shared
+    def count_copied(self, p, prefix, n, tid, shared, current):
+        """Pass ``p``'s count over the ``n`` shared keys of ``prefix``'s bin
+        of pass ``p - 1``, then a CTA barrier."""
+        hist, _, _, keys, _, _, _ = shared
         keys_at = Int32(keys.iterator.toint())
         high = prefix >> Uint32(32 - 8 * p)
         shift = Uint32(24 - 8 * p)
-        for i in cutlass.range(tid * 4, CANDIDATES, THREADS * 4, unroll=1):
+        for i in cutlass.range(tid * 4, n, THREADS * 4, unroll=1):
             group = load_shared4(keys_at + i * 4)
-            fill = filled[i // SEGMENT] - i % SEGMENT
             for j in cutlass.range_constexpr(4):
                 key = group[j]
-                if j < fill:  # noqa: SIM102
+                if i + j < n:  # noqa: SIM102
                     if key >> Uint32(32 - 8 * p) == high:
                         digit = Int32((key >> shift) & Uint32(BINS - 1))
                         cute.arch.atomic_add(hist.iterator + current + digit, Int32(1))
         cute.arch.barrier()
 
     @cute.jit
-    def mark_copied(self, tid, threshold, shared):
+    def mark_copied(self, n, tid, threshold, shared):
         """Sets the shared keys' columns above ``threshold`` in ``above``,
         those equal to it in ``equal``."""
-        _, _, _, keys, columns, above, equal, filled = shared
-        for i in cutlass.range(tid, CANDIDATES, THREADS, unroll=1):
-            if i % SEGMENT < filled[i // SEGMENT]:
-                key = keys[i]
-                column = columns[i]
-                bit = Uint32(1) << Uint32(column % 32)
-                if key > threshold:
-                    cute.arch.atomic_or(above.iterator + column // 32, bit)
-                if key == threshold:
-                    cute.arch.atomic_or(equal.iterator + column // 32, bit)
+        _, _, _, keys, columns, above, equal = shared
+        for i in cutlass.range(tid, n, THREADS, unroll=1):
+            key = keys[i]
+            column = columns[i]
+            bit = Uint32(1) << Uint32(column % 32)
+            if key > threshold:
+                cute.arch.atomic_or(above.iterator + column // 32, bit)
+            if key == threshold:
+                cute.arch.atomic_or(equal.iterator + column // 32, bit)
 
     @cute.jit
     def write(self, out, row, end, tid, need, shared):
         """Writes the columns set in ``above`` and the first ``need`` set in
         ``equal``, in ascending order: a word a thread, a CTA scan of their
         counts a tile; stops once the row's ``k`` are written."""
-        _, totals, _, _, _, above, equal, _ = shared
+        _, totals, _, _, _, above, equal = shared
         words = (end + 31) // 32
         above_run = Int32(0)
         equal_run = Int32(0)
