@@ -237,7 +237,8 @@ def scores_block(data: dict) -> str:
     return (
         "With DeepGEMM's scores and stock's top-k on both sides, the indexer's "
         "decode after the query (scores, top-k, expansion and conversion; "
-        f"{link('docs/bench-scores-h200.json')}, `tools/bench.py`, 32 heads, "
+        f"{link('docs/bench-scores-h200.json')}, `tools/bench.py`, DeepGEMM on "
+        "vLLM's padding to 32 heads, "
         f"{m['date']}) takes {one[0]:.1f} µs stock and {one[1]:.1f} µs with the "
         f"stage at 1 request of 64K pools ({ratio(one):.2f}x; "
         f"{ratio(small):.2f}x at 4K pools), "
@@ -249,19 +250,24 @@ def scores_block(data: dict) -> str:
     )
 
 
-@block("step_scores", "docs/bench-step-scores-h200.json")
+@block("step_scores", "docs/bench-scores-h200.json")
 def step_scores_block(data: dict) -> str:
     """The indexer decode after the query with the opt-in scores and select."""
     rows = {(r["rows"], r["next_n"], r["context"]): r for r in data["scores"]}
     pair = "step_scores_graph_us"
     one, small, wide = rows[(1, 1, 65536)], rows[(1, 1, 4096)], rows[(64, 1, 65536)]
     few = [r for r in data["scores"] if r["rows"] <= 8]
+    big = [r for r in data["scores"] if r["rows"] >= 32 and r["context"] >= 131072]
     return (
-        "With `kpool_scores: true` too (our scores, then the select; "
-        f"{link('docs/bench-step-scores-h200.json')}): {one[pair][1]:.1f} µs "
+        "With `kpool_scores: true` too (our scores, then the select, on "
+        f"the 16 real heads; {link('docs/bench-scores-h200.json')}): "
+        f"{one[pair][1]:.1f} µs "
         f"against {one[pair][0]:.1f} at 1 x 64K ({ratio(one[pair]):.2f}x; "
         f"{ratio(small[pair]):.2f}x at 4K), {span(ratio(r[pair]) for r in few)}x "
-        f"at 1-8 requests, {ratio(wide[pair]):.2f}x at 64 x 64K."
+        f"at 1-8 requests, {ratio(wide[pair]):.2f}x at 64 x 64K, and "
+        f"{span(ratio(r[pair]) for r in big)}x at 32-64 requests of 128K-256K "
+        "pools, where the select runs past one wave of its clusters "
+        '(`kpool_select: "one_wave"` keeps stock\'s top-k there).'
     )
 
 
