@@ -913,11 +913,9 @@ class Run:
             )
         self.cfg, self.patch, self.device = cfg, patch, torch.device(device)
         cuda = self.device.type == "cuda"
-        backend = BACKENDS[cfg.backend]
         # CUDA, opted-in scores: stock's are DeepGEMM's (``deep_gemm_logits``).
-        deep_gemm = cuda and cfg.scores
-        self.sim = Sim(cfg.geo, backend, device, cfg.seed, work=cfg.work,
-                       deep_gemm=deep_gemm)  # fmt: skip
+        self.sim = Sim(cfg.geo, BACKENDS[cfg.backend], device, cfg.seed,
+                       work=cfg.work, deep_gemm=cuda and cfg.scores)  # fmt: skip
         names = ("stock", "stage", "stage 2")[: 1 + cfg.stages]
         self.sides = [Model(self.sim, name) for name in names]
         for side in self.sides:

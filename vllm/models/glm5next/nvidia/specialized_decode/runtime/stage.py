@@ -32,8 +32,9 @@ from .remap import Deferred, FusedRemap, why_not_fusable
 from .steps import PlannedSteps
 from .warmup import StageWarmup
 
-# Whether the stage feeds the select the opt-in scores' histogram (off:
-# slower than the cluster select, measured).
+# Whether the stage feeds the select the opt-in scores' histogram: off, as
+# the fed chain is slower than the cluster select's (docs/performance.md,
+# "The select fed by the scores").
 FEED_SELECT = False
 
 
@@ -200,11 +201,8 @@ class KpoolStage:
         fp32 = scores and not mx_scales
         heads = {attn.indexer.n_head for attn in attentions} if fp32 else set()
         self.scores_heads = served_heads(heads.pop()) if len(heads) == 1 else None
-        # What the opt-in scores would count for the fed select (each row
-        # zeroed by the select that read it). Not allocated: the fed select
-        # measured slower than the cluster select at every size on the H200
-        # (docs/performance.md, "The select fed by the scores"), so no step
-        # feeds it; ``FEED_SELECT`` turns it back on.
+        # What the opt-in scores count for the fed select (each row zeroed
+        # by the select that read it); none while ``FEED_SELECT`` is off.
         self.histogram = None
         if FEED_SELECT and select and self.scores_heads is not None:
             self.histogram = torch.zeros(
