@@ -184,6 +184,13 @@ class SelectTopk:
 
     @cute.kernel
     def kernel(self, logits: cute.Tensor, ends: cute.Tensor, out: cute.Tensor):
+        self.select(logits, ends, out)
+
+    @cute.jit
+    def select(self, source, ends: cute.Tensor, out: cute.Tensor):
+        """Row ``row`` of ``out``: the top ``k`` of ``source``'s row (the
+        logits here; ``split.py``'s variants read theirs through the hooks
+        ``row_end``, ``row_base``, ``load_slice`` and ``column``)."""
         block, _, _ = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
         row = block // self.cluster
@@ -191,23 +198,38 @@ class SelectTopk:
         shared = self.allocate()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        end = cutlass.min(cutlass.max(Int32(ends[row]), Int32(0)), logits.shape[1])
+        end = self.row_end(source, ends, row)
         if end <= self.k:
             if rank == 0:
                 # Every valid column, in order, then -1 (stock's bytes).
                 for i in cutlass.range(tid, self.k, THREADS, unroll=1):
                     value = Int32(-1)
                     if i < end:
-                        value = i
+                        value = self.column(source, row, i)
                     out[row, i] = value
         elif cutlass.const_expr(self.cluster == 1):
-            self.select_row(logits, out, row, rank, end, tid, shared, True)
+            self.select_row(source, out, row, rank, end, tid, shared, True)
         elif end <= self.alone_keys:
             # The cluster's other CTAs exit: nothing reads their memory.
             if rank == 0:
-                self.select_row(logits, out, row, rank, end, tid, shared, True)
+                self.select_row(source, out, row, rank, end, tid, shared, True)
         else:
-            self.select_row(logits, out, row, rank, end, tid, shared, False)
+            self.select_row(source, out, row, rank, end, tid, shared, False)
+
+    @cute.jit
+    def row_end(self, logits, ends, row):
+        """Row ``row``'s valid columns: ``clamp(ends[row], 0, width)``."""
+        return cutlass.min(cutlass.max(Int32(ends[row]), Int32(0)), logits.shape[1])
+
+    @cute.jit
+    def row_base(self, logits, row):
+        """The address of row ``row``'s first column."""
+        return logits.iterator + Int64(row) * logits.stride[0]
+
+    @cute.jit
+    def column(self, logits, row, position):
+        """The column that row ``row``'s key ``position`` stands for."""
+        return position
 
     @cute.jit
     def allocate(self):
@@ -249,7 +271,9 @@ class SelectTopk:
         if cute.arch.lane_idx() == 0:
             cute.arch.atomic_add(found.iterator + 3, share)
         cute.arch.barrier()
-        self.compact(start, n, tid, keys_at, out, row, threshold, need, found, totals)
+        self.compact(
+            logits, start, n, tid, keys_at, out, row, threshold, need, found, totals
+        )
         if cutlass.const_expr(not alone):
             # The exit barrier: its arrive followed the last pass's reads of
             # the peers' shared memory, which must outlive them.
@@ -265,7 +289,7 @@ class SelectTopk:
         span = (span + vector - 1) // vector * vector
         start = rank * span
         n = cutlass.min(cutlass.max(end - start, Int32(0)), span)
-        return start, n, logits.iterator + Int64(row) * logits.stride[0] + start
+        return start, n, self.row_base(logits, row) + start
 
     @cute.jit
     def load_slice(self, base, n, tid, keys_at, hist, found):
@@ -530,7 +554,9 @@ class SelectTopk:
         return early
 
     @cute.jit
-    def compact(self, start, n, tid, keys_at, out, row, threshold, need, found, totals):
+    def compact(
+        self, logits, start, n, tid, keys_at, out, row, threshold, need, found, totals
+    ):
         """Writes the slice's columns above the threshold and its share of
         the first ``need`` equal to it, in column order, at the slots after
         the ranks before it; stops once the row's ``k`` are written."""
@@ -566,7 +592,8 @@ class SelectTopk:
                     if e == 1 and equal < need:
                         taken = Int32(1)
                     if taken == 1:
-                        out[row, above + cutlass.min(equal, need)] = start + i0 + i
+                        column = self.column(logits, row, start + i0 + i)
+                        out[row, above + cutlass.min(equal, need)] = column
                     above = above + g
                     equal = equal + e
                 above_run = above_run + (tile_total & Int32(0xFFFF))
