@@ -252,6 +252,12 @@ def ours_remap(t, counts):
                        block_size=BLOCK, stride_rows=BLOCK)
 
 
+def workspace(rows: int, width: int, dev) -> torch.Tensor:
+    """The split select's workspace for ``rows`` rows of ``width`` pools."""
+    chunk_rows = rows * K.split_parts(width, K_POOLS)
+    return torch.empty(chunk_rows, K_POOLS, dtype=torch.int32, device=dev)
+
+
 def calls(fns):
     for fn in fns:
         fn()
@@ -301,6 +307,10 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
             unhinted = p(K.select, logits=x, ends=e, k=K_POOLS, out=t["pool_topk"],
                          histogram=zeros)
             pairs.append(("select_unhinted", [stock_topk], [unhinted]))
+        if K.split_parts(width, K_POOLS):  # the split select, routed or not
+            split = p(K.select_topk, x, e, K_POOLS, out=t["pool_topk"],
+                      chunks=workspace(rows, width, dev), split=True)
+            pairs.append(("select_split", [stock_topk], [split]))
         return pairs, {}
     # The indexer decode after the query: DeepGEMM's scores and the stock top-k
     # or the select, or (step_scores) our scores and the select.
@@ -322,10 +332,14 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
             K.stock_topk(logits, lens, t["pool_topk"], K_POOLS, max_seq_len)
             stock_remap(t, True)
 
-        def ours(select, scores=scores):
+        splits = K.split_parts(pools, K_POOLS)
+        chunks = workspace(rows * n, pools, dev) if splits else None
+
+        def ours(select, scores=scores, split=None):
             logits = scores()
             if select:
-                K.select_topk(logits, e, K_POOLS, out=t["pool_topk"])
+                K.select_topk(logits, e, K_POOLS, out=t["pool_topk"], chunks=chunks,
+                              split=split)
             else:
                 K.stock_topk(logits, lens, t["pool_topk"], K_POOLS, max_seq_len)
             ours_remap(t, True)
@@ -333,6 +347,8 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
         pairs = [("step", [stock], [p(ours, False)]),
                  ("step_select", [stock], [p(ours, True)]),
                  ("step_scores", [stock], [p(ours, True, ours_scores)])]
+        if chunks is not None:  # our scores and the split select
+            pairs.append(("step_split", [stock], [p(ours, True, ours_scores, True)]))
         if K.fed_columns(pools):  # our scores count, the select reads them
             counts = torch.zeros(rows * n, K.histogram, dtype=torch.int32, device=dev)
             fed_scores = p(ours_scores, histogram=counts)
@@ -414,7 +430,7 @@ def measure(case: dict, plan: Plan, dev, copy_gbs: float) -> dict:
     row = dict(case)
     for pair, stock, ours in pairs:
         figures = {"graph": [graph_us(stock, plan.rep_ms), graph_us(ours, plan.rep_ms)]}
-        if pair not in ("select", "select_unhinted", "scores"):  # graph only
+        if pair not in ("select", "select_unhinted", "select_split", "scores"):
             figures["eager"] = eager_us(stock, ours, plan)
         for timer, (s, o) in figures.items():
             key = f"{pair}_{timer}" if pair else timer
@@ -503,6 +519,7 @@ def load_kernels(stock_topk_so: str | None, deep_gemm: str | None = None) -> Non
         select.fed_columns,
         fed.HISTOGRAM,
     )
+    K.split_parts = select.split_parts  # the split select's workspace rows
     K.scores = scores.SCORES
     if deep_gemm:  # vLLM's vendored DeepGEMM, from the folder that holds it
         sys.path.insert(0, deep_gemm)

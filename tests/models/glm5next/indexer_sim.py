@@ -333,11 +333,11 @@ def twin(name: str, key, *args) -> None:
             own = torch.minimum(lens.clamp(min=0), lens[:, -1:].clamp(0, width))
             rows = own.numel()
             histogram[:rows] += cases.select_histogram(out, own.reshape(-1))
-    else:
-        logits, ends, *histogram, out = args
+    else:  # the select; with ``columns`` fed (a histogram), with ``chunk`` split
+        logits, ends, *between, out = args
         out.copy_(contract_topk(logits, ends, key.k))
-        if histogram:  # the fed select zeroes what it read
-            histogram[0][: logits.shape[0]] = 0
+        if key.columns:  # the fed select zeroes what it read
+            between[0][: logits.shape[0]] = 0
 
 
 def any_device(names, *tensors, optional=()) -> None:

@@ -221,6 +221,40 @@ def test_select_runs_past_one_wave(monkeypatch, bench, references):
     assert_same_sets(b, got)
 
 
+def test_split_select_where_routed(monkeypatch, bench, references):
+    """With the split select routed past one wave (``SPLIT_PAST_ONE_WAVE``;
+    its chunk shrunk to 64 pools, so that the simulator's rows split), the
+    warmup compiles its key and a step past one wave runs it with the
+    stage's workspace, ``[max_rows x chunks, k]``; the rows as sets (the
+    stock stand-in as ``test_select_opted_in``'s). Off (the default), the
+    stage holds no workspace."""
+    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import (
+        launch as select_launch,
+    )
+
+    references(topk=contract_decode_topk)
+    step = TOKEN_ROWS[0].values[0]
+    assert bench(step, select=True).stage.chunks is None
+    monkeypatch.setattr(select_launch, "SPLIT_PAST_ONE_WAVE", True)
+    monkeypatch.setattr(select_launch, "SPLIT_CHUNK", 64)
+    monkeypatch.setattr(select_launch, "one_wave", lambda *args: False)
+    monkeypatch.setattr(stage_module, "one_wave", lambda *args: False)
+    b = bench(step, select=True)
+    served = []
+    serve = b.stage.kernels.select.serve
+    monkeypatch.setattr(
+        b.stage.kernels.select, "serve",
+        lambda **kw: served.append(kw["chunks"]) or serve(**kw),
+    )  # fmt: skip
+    got = b.run()
+    assert b.routes == SELECTED
+    assert {key.chunk for key in b.spies.launched["select"]} == {64}
+    assert all(chunks is b.stage.chunks for chunks in served) and served
+    k = b.stage.chunks.shape[1]
+    assert b.stage.chunks.shape == (b.stage.max_rows * 2, k) and k == 32
+    assert_same_sets(b, got)
+
+
 def test_one_wave_select_declines_past_one_wave(monkeypatch, bench):
     """With ``kpool_select="one_wave"``, rows whose clusters take a second
     wave run stock's upcast and top-k (vLLM's torch top-k on both sides:

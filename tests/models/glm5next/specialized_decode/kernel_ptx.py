@@ -33,10 +33,9 @@ def compile_ptx(kernel, key, arch: str) -> str:
         return compiled.__ptx__
 
 
-def resources(ptx: str, arch: str) -> tuple[int, int]:
-    """(registers a thread, bytes spilled) of ``ptx``'s kernel as ptxas
-    assembles it for ``arch`` (the ptxas of nvidia-cuda-nvcc, which vLLM's
-    torch pins)."""
+def _ptxas(ptx: str, arch: str) -> str:
+    """ptxas's ``-v`` report of ``ptx`` assembled for ``arch`` (the ptxas
+    of nvidia-cuda-nvcc, which vLLM's torch pins)."""
     (toolkit,) = importlib.util.find_spec("nvidia.cu13").submodule_search_locations
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp, "kernel.ptx")
@@ -48,11 +47,25 @@ def resources(ptx: str, arch: str) -> tuple[int, int]:
             text=True,
             check=True,
         )
-    registers = int(re.search(r"Used (\d+) registers", done.stderr)[1])
-    spilled = re.search(
-        r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr
-    )
-    return registers, int(spilled[1]) + int(spilled[2])
+    return done.stderr
+
+
+def entry_resources(ptx: str, arch: str) -> dict[str, tuple[int, int]]:
+    """Each kernel of ``ptx`` (its entry name) -> (registers a thread,
+    bytes spilled), as ptxas assembles it for ``arch``."""
+    found = {}
+    for part in _ptxas(ptx, arch).split("Compiling entry function '")[1:]:
+        name = part[: part.index("'")]
+        registers = int(re.search(r"Used (\d+) registers", part)[1])
+        spilled = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", part)
+        found[name] = (registers, int(spilled[1]) + int(spilled[2]))
+    return found
+
+
+def resources(ptx: str, arch: str) -> tuple[int, int]:
+    """(registers a thread, bytes spilled) of ``ptx``'s one kernel."""
+    (used,) = entry_resources(ptx, arch).values()
+    return used
 
 
 def ops(ptx: str) -> Counter:

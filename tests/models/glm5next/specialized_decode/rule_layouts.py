@@ -280,10 +280,20 @@ def select_layouts(a: dict) -> list:
     """FP32/BF16 logits of unit column stride, rows 16-byte aligned; int32
     ends of unit stride; an int32 ``out`` of unit column stride; with a
     histogram (the fed select), FP32 logits of at most 262144 columns and
-    an int32 histogram [>= rows, 257] of unit column stride."""
-    x, e, o, h = "logits", "ends", "out", "histogram"
+    an int32 histogram [>= rows, 257] of unit column stride; ``split`` a
+    bool or None, asked for (the split select) on rows of more than one
+    16384-column chunk, ``k`` a multiple of 4, with no histogram, and its
+    ``chunks`` an int32 [>= rows x chunks, k] of unit column stride, rows
+    16-byte aligned (ignored where the select does not split)."""
+    x, e, o, h, c = "logits", "ends", "out", "histogram", "chunks"
     (rows_, width), k = a[x].shape, a["k"]
-    given = torch.zeros(rows_, 257, dtype=I32, device=a[e].device)
+    device = a[e].device
+    given = torch.zeros(rows_, 257, dtype=I32, device=device)
+    wide = {"split": True, x: dict(shape=(rows_, 16385), stride=(16388, 1))}
+
+    def chunks(rows, columns, dtype=I32):  # rows of ``columns``, the first k
+        return torch.zeros(rows, columns, dtype=dtype, device=device)[:, :k]
+
     # fmt: off
     return rows(a, [
         ("logits fp16", x, {x: dict(dtype=F16)}),
@@ -313,6 +323,26 @@ def select_layouts(a: dict) -> list:
          {h: given, x: dict(shape=(rows_, 262145), stride=(262148, 1))}),
         ("histogram, 262144 columns", None,
          {h: given, x: dict(shape=(rows_, 262144), stride=(262144, 1))}),
+        ("split asked, one chunk", x, {"split": True}),
+        ("split 1", "split", {"split": 1}),
+        ("split False", None, {"split": False}),
+        ("split asked, two chunks", None, wide),
+        ("split asked, k 1022", x, wide | {"k": 1022, o: None}),
+        ("split asked, with a histogram", "split", wide | {h: given}),
+        ("chunks given", None, wide | {c: chunks(2 * rows_, k)}),
+        ("chunks a row more", None, wide | {c: chunks(2 * rows_ + 1, k)}),
+        ("chunks a row short", c, wide | {c: chunks(2 * rows_ - 1, k)}),
+        ("chunks int64", c, wide | {c: chunks(2 * rows_, k, I64)}),
+        ("chunks k + 4 wide", c,
+         wide | {c: torch.zeros(2 * rows_, k + 4, dtype=I32, device=device)}),
+        ("chunks rows padded (16 bytes)", None, wide | {c: chunks(2 * rows_, k + 4)}),
+        ("chunks rows + 2 apart", c, wide | {c: chunks(2 * rows_, k + 2)}),
+        ("chunks column stride 2", c,
+         wide | {c: torch.zeros(2 * rows_, 2 * k, dtype=I32, device=device)[:, ::2]}),
+        ("chunks 4 bytes in", c,
+         wide | {c: torch.zeros(2 * rows_ * k + 1, dtype=I32, device=device)[1:]
+                 .view(2 * rows_, k)}),
+        ("chunks, not split", None, {c: chunks(1, 1, I64)}),
     ])
     # fmt: on
 

@@ -202,7 +202,10 @@ def public(kernel, a: dict):
         return lambda: kpool.upcast_logits(a["logits"], a["row_ends"], out=a["out"])
     if a.get("histogram") is not None:  # the stage's fed select: not public
         return None
-    return lambda: kpool.select_topk(a["logits"], a["ends"], a["k"], out=a["out"])
+    split = {name: a[name] for name in ("chunks", "split") if name in a}
+    return lambda: kpool.select_topk(
+        a["logits"], a["ends"], a["k"], out=a["out"], **split
+    )
 
 
 # The public functions that return ``out`` (the others return None).
@@ -615,6 +618,8 @@ KEY_FIELDS = {
         logits={"dtype", "cluster", "capacity", "columns"},
         # The fed select: one CTA a row, bitmaps of ``columns``.
         histogram={"cluster", "capacity", "columns"},
+        # The split select: one CTA a chunk, then a row's candidates.
+        split={"cluster", "capacity", "chunk"},
     ),
 }
 

@@ -31,7 +31,15 @@ from .cutedsl.remap.launch import REMAP
 from .cutedsl.scores.launch import SCORES, row_stride, sm_count
 from .cutedsl.select.fed import HISTOGRAM
 from .cutedsl.select.kernel import CAPACITIES, VECTOR
-from .cutedsl.select.launch import FED_COLUMNS, SELECT, cluster_for, slice_capacity
+from .cutedsl.select.launch import (
+    FED_COLUMNS,
+    SELECT,
+    SPLIT_CHUNK,
+    cluster_for,
+    slice_capacity,
+    split_capacity,
+    split_parts,
+)
 from .cutedsl.upcast.kernel import GROUP_ROWS, TILE
 from .cutedsl.upcast.launch import UPCAST
 from .cutedsl.update.launch import UPDATE
@@ -425,6 +433,20 @@ def select_shapes(key, sms: int) -> list[tuple[int, int]]:
     return small or sorted(shapes)[:1] or [(1, key.capacity * key.cluster)]
 
 
+def split_widths(key, rng: random.Random) -> list[int]:
+    """Widths whose split select key is ``key``: of the fewest and the most
+    chunks whose candidates (``k`` a chunk) its capacity holds, and one
+    between, each a column past a chunk, chunks whole, or in between."""
+    capacities = (0, *CAPACITIES)
+    below = capacities[capacities.index(key.capacity) - 1]
+    low, high = max(2, below // key.k + 1), key.capacity // key.k
+    widths = []
+    for parts in {low, high, rng.randint(low, high)}:
+        first, last = (parts - 1) * SPLIT_CHUNK + 1, parts * SPLIT_CHUNK
+        widths += [first, last, rng.randint(first, last)]
+    return [w for w in widths if split_capacity(w, key.k) == key.capacity]
+
+
 def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
     """Logits of one kind: normals of some scale; few distinct values
     (ties across the threshold); all equal; ReLU's plateaus of exact 0.0;
@@ -466,7 +488,11 @@ def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
 def select_case(rng: random.Random, gen: torch.Generator, key, *, sms: int) -> Case:
     """A case of ``key`` on ``sms`` SMs, of one of its shapes (the fed
     select's: 1-16 rows a bit wider than the next smaller key's columns, up
-    to its own)."""
+    to its own; the split select's: ``split_widths``, up to 2^23 logits)."""
+    if key.chunk:
+        width = rng.choice(split_widths(key, rng))
+        most = max(1, min(32, (1 << 23) // width))
+        return select_rows_case(rng, gen, key, rng.choice([1, 2, most]), width)
     if not key.columns:
         rows, width = rng.choice(select_shapes(key, sms))
         return select_rows_case(rng, gen, key, rows, width)
@@ -478,14 +504,17 @@ def select_case(rng: random.Random, gen: torch.Generator, key, *, sms: int) -> C
 
 def select_rows_case(rng, gen: torch.Generator, key, rows: int, width: int) -> Case:
     """Logits of ``rows`` x ``width`` in padded rows whose padding (+NaN, the
-    largest key) must never count; row ends at 0, 1, k-1, k, k+1, the width
-    and past it, negative, anywhere; ``out`` a column slice of a wider
-    buffer."""
+    largest key) must never count; row ends at 0, 1, k-1, k, k+1, a chunk's
+    end and past it (the split select), the width and past it, negative,
+    anywhere; ``out`` a column slice of a wider buffer; the split select's
+    workspace poisoned, of rows padded and a few rows more, or left out."""
     device, k, vector = gen.device, key.k, VECTOR[key.dtype]
     pitch = width + -width % vector + vector * rng.choice([0, 0, 1, 16])
     storage = special_values(key.dtype, device)[2:3].repeat(rows, pitch)
     storage[:, :width] = _select_values(rows, width, key.dtype, rng, gen)
     edges = [0, 1, k - 1, k, k + 1, width - 1, width, width + 5, -3, INT32_MAX]
+    if key.chunk:
+        edges += [SPLIT_CHUNK, SPLIT_CHUNK + 1, SPLIT_CHUNK + k + 1]
     ends = [
         rng.choice(edges) if rng.random() < 0.5 else rng.randint(0, width)
         for _ in range(rows + rng.randint(0, 2))
@@ -496,6 +525,11 @@ def select_rows_case(rng, gen: torch.Generator, key, rows: int, width: int) -> C
     logits = storage[:, :width]
     want[:rows, :k] = select_reference(logits, ends, k)
     arguments = dict(logits=logits, ends=ends, k=k, out=out[:rows, :k], histogram=None)
+    arguments |= dict(chunks=None, split=None)
+    if key.chunk:
+        chunk_rows = rows * split_parts(width, k) + rng.choice([0, 3])
+        chunks = poisoned((chunk_rows, k + rng.choice([0, 4])), torch.int32, gen)
+        arguments |= dict(split=True, chunks=rng.choice([chunks[:, :k], None]))
     if not key.columns:
         return Case(arguments, (out,), (want,))
     histogram, after = fed_histogram(logits, ends, rng, gen)

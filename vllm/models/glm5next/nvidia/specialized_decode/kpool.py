@@ -82,7 +82,9 @@ def upcast_logits(
 
 def select_topk(
     logits: torch.Tensor, ends: torch.Tensor, k: int, *,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, chunks: torch.Tensor | None = None,
+    split: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """``SelectKernel``'s contract; returns the int32 [rows, k] ids."""
-    return SELECT(logits=logits, ends=ends, k=k, out=out)
+    """``SelectKernel``'s contract (``split``: the split select, the same
+    bytes; ``chunks`` its workspace); returns the int32 [rows, k] ids."""
+    return SELECT(logits=logits, ends=ends, k=k, out=out, chunks=chunks, split=split)

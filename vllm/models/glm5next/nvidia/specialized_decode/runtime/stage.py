@@ -24,6 +24,7 @@ from ..cutedsl.common.host import STOCK, Refused
 from ..cutedsl.expand.launch import ExpandKernel
 from ..cutedsl.remap.launch import RemapKernel, check_shape
 from ..cutedsl.scores.launch import ScoresKernel, served_heads
+from ..cutedsl.select import launch as select_launch
 from ..cutedsl.select.fed import HISTOGRAM
 from ..cutedsl.select.launch import SelectKernel, fed_columns, one_wave, sm_count
 from ..cutedsl.upcast.launch import UpcastKernel
@@ -161,10 +162,13 @@ class LayerStep:
         if not self.select_runs(rows, width, logits.dtype):
             return False
         select = self.stage.kernels.select
-        ran = select.serve(logits=logits, ends=ends, k=k, out=out, histogram=histogram)
+        chunks = self.stage.chunks
+        ran = select.serve(
+            logits=logits, ends=ends, k=k, out=out, histogram=histogram, chunks=chunks
+        )  # fmt: skip
         if ran is STOCK and histogram is not None:
             histogram.zero_()
-            ran = select.serve(logits=logits, ends=ends, k=k, out=out)
+            ran = select.serve(logits=logits, ends=ends, k=k, out=out, chunks=chunks)
         return ran is not STOCK
 
 
@@ -208,6 +212,21 @@ class KpoolStage:
             self.histogram = torch.zeros(
                 (max_rows, HISTOGRAM), dtype=torch.int32, device=device
             )
+        # The split select's workspace, where the select runs split past one
+        # wave (the launch module's routing, read as its dispatch reads it):
+        # the layers' rows' chunks.
+        self.chunks = None
+        if select_launch.SPLIT_PAST_ONE_WAVE and select and not select_one_wave:
+            shapes = {
+                (attn.indexer.max_pool_len, attn.indexer.topk_tokens // POOL)
+                for attn in attentions
+            }
+            parts = max((select_launch.split_parts(*s) for s in shapes), default=0)
+            if parts:
+                k = max(k for _, k in shapes)
+                self.chunks = torch.empty(
+                    (max_rows * parts, k), dtype=torch.int32, device=device
+                )
         self.executors: dict = {}
         self.kernels = StageKernels(
             UpdateKernel(self), ExpandKernel(self), RemapKernel(self),

@@ -1,0 +1,213 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The split select, ``SelectKernel``'s device code for a key with a
+``chunk``: the select's bytes in two launches linked by PDL, one CTA a
+chunk and then one CTA a row, none of them in a cluster.
+
+1. ``ChunkSelect``: CTA ``row * parts + c`` selects the top ``k`` of chunk
+   ``c`` (columns ``[c * chunk, (c + 1) * chunk)`` of the row's valid ones)
+   into row ``row * parts + c`` of the ``chunks`` workspace, its columns
+   counted from the chunk's first.
+2. ``MergeSelect``: CTA ``row`` selects the top ``k`` of the row's
+   candidates, chunk ``c``'s ``i``-th at position ``c * k + i``, reading
+   each candidate's key from the logits through the workspace, and writes
+   the columns they stand for.
+
+Why these are the select's bytes: its rule is a total order (the key, then
+the lower column), so a row's top ``k`` are among its chunks' top ``k``.
+Positions ascend with the columns they stand for (chunk by chunk, each
+chunk's in ascending order), so among equal keys the lowest position is the
+lowest column, and position order is column order. A chunk holds
+``min(k, its valid columns)`` candidates, and only a row's last nonempty
+chunk holds fewer than ``k``: the valid candidates are positions ``[0, n)``.
+
+Why split: past one wave of clusters every cluster of a long row holds it
+in shared memory and runs its dependent passes while the rest wait; chunks
+of ``chunk`` columns keep two CTAs an SM, each chunk's passes behind another
+chunk's load, and the merge selects from ``parts * k`` candidates.
+"""
+
+import dataclasses
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+
+from ..common.ptx import load_words_if
+from .kernel import (
+    BINS,
+    THREADS,
+    SelectTopk,
+    _key16,
+    _key32,
+    _load_half,
+    _store_shared,
+    _store_shared4,
+    ctas_per_sm,
+)
+
+# Positions a thread reads at once: four int32 columns of the workspace (a
+# chunk's ``k`` is a multiple of 4, so they never straddle two chunks).
+_POSITIONS = 4
+# Vectors of positions in flight per thread: each is two dependent loads
+# (the columns, then the logits they name).
+_MERGE_UNROLL = 2
+# The merge's CTAs an SM: one, with 64 registers a thread (in 32 its
+# workspace and logits addresses spill).
+MERGE_CTAS_PER_SM = 1
+
+
+@cute.jit
+def _parts(logits, chunk: int):
+    """The chunks of a row of ``logits``' width."""
+    return (logits.shape[1] + (chunk - 1)) // chunk
+
+
+class ChunkSelect(SelectTopk):
+    """Launch 1: ``SelectTopk`` of one CTA a chunk of ``chunk`` columns; its
+    row ``q`` is chunk ``q % parts`` of logits row ``q // parts``."""
+
+    def __init__(self, key):
+        chunk = dataclasses.replace(key, cluster=1, capacity=key.chunk, chunk=0)
+        super().__init__(chunk)
+        self.chunk = key.chunk
+
+    @cute.jit
+    def chunk_of(self, logits, q):
+        """(the logits row of chunk row ``q``, the chunk's first column)."""
+        parts = _parts(logits, self.chunk)
+        row = q // parts
+        return row, (q - row * parts) * self.chunk
+
+    @cute.jit
+    def row_end(self, logits, ends, q):
+        row, first = self.chunk_of(logits, q)
+        end = SelectTopk.row_end(self, logits, ends, row)
+        return cutlass.min(cutlass.max(end - first, Int32(0)), Int32(self.chunk))
+
+    @cute.jit
+    def row_base(self, logits, q):
+        row, first = self.chunk_of(logits, q)
+        return SelectTopk.row_base(self, logits, row) + first
+
+
+class MergeSelect(SelectTopk):
+    """Launch 2: ``SelectTopk`` of one CTA a row over the row's candidates
+    (the source is ``(logits, chunks)``; a slice's base is ``(source,
+    row)``)."""
+
+    def __init__(self, key):
+        super().__init__(dataclasses.replace(key, cluster=1, chunk=0))
+        self.chunk = key.chunk
+
+    @cute.kernel
+    def kernel(
+        self, logits: cute.Tensor, ends: cute.Tensor, chunks: cute.Tensor,
+        out: cute.Tensor,
+    ):  # fmt: skip
+        self.select((logits, chunks), ends, out)
+
+    @cute.jit
+    def row_end(self, source, ends, row):
+        """The row's valid candidates: ``k`` a full chunk, and
+        ``min(k, rest)`` for the valid columns past them."""
+        logits, _ = source
+        end = SelectTopk.row_end(self, logits, ends, row)
+        full = end // self.chunk
+        rest = end - full * self.chunk
+        return full * self.k + cutlass.min(rest, Int32(self.k))
+
+    @cute.jit
+    def slice(self, source, row, rank, end, parts):
+        return Int32(0), end, (source, row)
+
+    @cute.jit
+    def column(self, source, row, position):
+        logits, chunks = source
+        c = position // self.k
+        chosen = chunks[row * _parts(logits, self.chunk) + c, position - c * self.k]
+        return c * self.chunk + Int32(chosen)
+
+    @cute.jit
+    def key_at(self, row_at, column):
+        """The order key of the row's logit at ``column``."""
+        if cutlass.const_expr(self.bf16):
+            return _key16(_load_half(row_at + column))
+        return _key32(load_words_if(row_at + column, 1, True)[0])
+
+    @cute.jit
+    def load_slice(self, base, n, tid, keys_at, hist, found):
+        """``SelectTopk.load_slice`` over the ``n`` candidates: each
+        thread reads four positions' columns from the workspace, then the
+        logits they name."""
+        (logits, chunks), row = base
+        shift = self.key_bits - self.digits[0]
+        zero = Uint32(self.zero_key)
+        zeros = Int32(0)
+        spare = BINS + cute.arch.lane_idx()
+        row_at = logits.iterator + Int64(row) * logits.stride[0]
+        first = Int64(row * _parts(logits, self.chunk)) * chunks.stride[0]
+        chunks_at = chunks.iterator + first
+        full = n // _POSITIONS
+        step = THREADS * _MERGE_UNROLL
+        for v0 in cutlass.range(tid, full, step, unroll=1):
+            columns = []
+            for u in cutlass.range_constexpr(_MERGE_UNROLL):
+                v = v0 + u * THREADS
+                p = v * _POSITIONS
+                c = p // self.k
+                chosen = chunks_at + Int64(c) * chunks.stride[0] + (p - c * self.k)
+                words = load_words_if(chosen, _POSITIONS, v < full)
+                # Past ``full`` the words are 0 and ``c`` may pass the last
+                # chunk: such lanes read column 0, which they do not store.
+                offset = c * self.chunk * Int32(v < full)
+                columns.append([offset + Int32(w) for w in words])
+            for u in cutlass.range_constexpr(_MERGE_UNROLL):
+                v = v0 + u * THREADS
+                group = [self.key_at(row_at, col) for col in columns[u]]
+                if v < full:
+                    _store_shared4(keys_at + v * _POSITIONS * 4, *group)
+                    for key in group:
+                        zeros, at = self.count_at(key, zero, shift, zeros, spare)
+                        cute.arch.atomic_add(hist.iterator + at, Int32(1))
+        if tid == 0:
+            # The last candidates, one at a time.
+            for i in cutlass.range(full * _POSITIONS, n, unroll=1):
+                key = self.key_at(row_at, self.column(base[0], row, i))
+                _store_shared(keys_at + i * 4, key)
+                zeros, at = self.count_at(key, zero, shift, zeros, spare)
+                cute.arch.atomic_add(hist.iterator + at, Int32(1))
+        zeros = cute.arch.warp_redux_sync(zeros, "add")
+        if cute.arch.lane_idx() == 0:  # noqa: SIM102
+            if zeros > 0:
+                cute.arch.atomic_add(
+                    hist.iterator + Int32(zero >> Uint32(shift)), zeros
+                )
+                cute.arch.atomic_add(found.iterator + 5, zeros)
+
+
+class SplitSelectTopk:
+    """The split select of ``key`` (``key.chunk`` columns a chunk; the
+    merge's candidates in ``key.capacity`` shared keys)."""
+
+    def __init__(self, key):
+        assert key.chunk % _POSITIONS == 0 and key.k % _POSITIONS == 0, key
+        self.chunks, self.merge = ChunkSelect(key), MergeSelect(key)
+
+    @cute.jit
+    def __call__(
+        self, logits: cute.Tensor, ends: cute.Tensor, chunks: cute.Tensor,
+        out: cute.Tensor, stream: cuda.CUstream,
+    ):  # fmt: skip
+        # ``chunks`` holds exactly the rows' chunks: one CTA each.
+        self.chunks.kernel(logits, ends, chunks).launch(
+            grid=(chunks.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream,
+            use_pdl=True, min_blocks_per_mp=ctas_per_sm(self.chunks.capacity),
+            preferred_smem_carveout=100,
+        )  # fmt: skip
+        self.merge.kernel(logits, ends, chunks, out).launch(
+            grid=(out.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream,
+            use_pdl=True, min_blocks_per_mp=MERGE_CTAS_PER_SM,
+            preferred_smem_carveout=100,
+        )  # fmt: skip
