@@ -385,18 +385,25 @@ def _split_keys() -> set:
 
 
 def test_split_widths_derive_every_split_key():
-    """Each split key has ``cases.split_widths`` that derive it (the
-    self-check and the fuzz loop draw every one)."""
+    """Each split key has ``cases.split_widths`` that derive it and that the
+    rule takes, up to the widest row (the self-check and the fuzz loop draw
+    every one)."""
+    from rule_edges import allow_cpu
+
     keys = _split_keys()
     assert {key.capacity for key in keys} == {4096, 8192, 16384, 32768}
+    widest = set()
     for key in keys:
         widths = cases.split_widths(key, random.Random(key.capacity))
         assert widths, key
+        widest.add(max(widths))
         for width in widths:
-            got = SELECT.dispatch(
-                k=K, dtype=key.dtype, rows=1, width=width, sms=SMS, split=True
-            )  # fmt: skip
+            logits = torch.zeros(1, width, dtype=key.dtype)
+            ends = torch.zeros(1, dtype=I32)
+            with allow_cpu():
+                got = SELECT.spec(logits=logits, ends=ends, k=K, split=True)[0]
             assert got == key, (key, width)
+    assert WIDEST in widest
 
 
 # --- The split select (CPU) -----------------------------------------------------------

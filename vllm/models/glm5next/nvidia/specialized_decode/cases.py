@@ -32,6 +32,7 @@ from .cutedsl.scores.launch import SCORES, row_stride, sm_count
 from .cutedsl.select.fed import HISTOGRAM
 from .cutedsl.select.kernel import CAPACITIES, VECTOR
 from .cutedsl.select.launch import (
+    CLUSTERS,
     FED_COLUMNS,
     SELECT,
     SPLIT_CHUNK,
@@ -435,11 +436,14 @@ def select_shapes(key, sms: int) -> list[tuple[int, int]]:
 
 def split_widths(key, rng: random.Random) -> list[int]:
     """Widths whose split select key is ``key``: of the fewest and the most
-    chunks whose candidates (``k`` a chunk) its capacity holds, and one
-    between, each a column past a chunk, chunks whole, or in between."""
+    chunks whose candidates (``k`` a chunk) its capacity holds and the rule
+    takes (its widest row), and one between, each a column past a chunk,
+    chunks whole, or in between."""
     capacities = (0, *CAPACITIES)
     below = capacities[capacities.index(key.capacity) - 1]
-    low, high = max(2, below // key.k + 1), key.capacity // key.k
+    widest = CLUSTERS[-1] * CAPACITIES[-1]
+    low = max(2, below // key.k + 1)
+    high = min(key.capacity // key.k, widest // SPLIT_CHUNK)
     widths = []
     for parts in {low, high, rng.randint(low, high)}:
         first, last = (parts - 1) * SPLIT_CHUNK + 1, parts * SPLIT_CHUNK
