@@ -571,15 +571,22 @@ def test_fed_select_ptx(columns):
     assert "barrier.cluster" not in text and "mapa" not in text
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "passes"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_split_select_ptx(arch, dtype):
+def test_split_select_ptx(arch, dtype, lean, monkeypatch):
     """The split select: two kernels, each with PDL; the chunks' two CTAs an
     SM (32 registers), the merge's one, neither spilling; the chunks' 16-byte
     row loads; the merge's 16-byte reads of the workspace and single
-    gathers of the logits; no cluster."""
+    gathers of the logits; no cluster. Lean (``split.LEAN``): the bitmaps'
+    shared ORs, no compaction's global store a key; else the select's own
+    passes and compaction."""
+    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import split
+
+    monkeypatch.setattr(split, "LEAN", lean)
     key = SELECT.CompileKey(K, dtype, 1, split_capacity(262144, K), chunk=SPLIT_CHUNK)
     text = compile_ptx(SELECT, key, arch)
+    assert ("atom.shared.or.b32" in text or "red.shared.or.b32" in text) == lean
     count = ops(text)
     assert text.count(".entry") == 2
     assert (

@@ -22,9 +22,12 @@ lowest column, and position order is column order. A chunk holds
 chunk holds fewer than ``k``: the valid candidates are positions ``[0, n)``.
 
 Why split: past one wave of clusters every cluster of a long row holds it
-in shared memory and runs its dependent passes while the rest wait; chunks
-of ``chunk`` columns keep two CTAs an SM, each chunk's passes behind another
-chunk's load, and the merge selects from ``parts * k`` candidates.
+in shared memory and runs its dependent passes, one CTA an SM, its warps
+waiting at a cluster barrier a pass; chunks of ``chunk`` columns keep two
+CTAs an SM with CTA barriers only, and the merge selects from ``parts * k``
+candidates. Each CTA selects alone, so it can select lean (``LeanRows``):
+after pass 0 it reads its keys twice, not once a pass and once to compact
+(docs/performance.md, "The split select").
 """
 
 import dataclasses
@@ -36,12 +39,18 @@ from cutlass import Int32, Int64, Uint32
 
 from ..common.ptx import load_words_if
 from .kernel import (
+    _GROUP,
+    _TILE,
     BINS,
+    FOUND,
     THREADS,
+    WARPS,
     SelectTopk,
+    _block_scan,
     _key16,
     _key32,
     _load_half,
+    _load_shared4,
     _store_shared,
     _store_shared4,
     ctas_per_sm,
@@ -56,6 +65,13 @@ _MERGE_UNROLL = 2
 # The merge's CTAs an SM: one, with 64 registers a thread (in 32 its
 # workspace and logits addresses spill).
 MERGE_CTAS_PER_SM = 1
+# Whether the split's CTAs select lean (``LeanRows``), else with the
+# select's own passes over every key and its compaction.
+LEAN = True
+# The threshold bin's keys a lean CTA copies for its later passes: a pass-0
+# bin (the sign and 7 exponent bits of an FP32) holds about 28 % of a
+# ``randn`` chunk's 16384 keys; 32 KiB keeps two chunk CTAs an SM.
+BIN_KEYS = 8192
 
 
 @cute.jit
@@ -64,14 +80,167 @@ def _parts(logits, chunk: int):
     return (logits.shape[1] + (chunk - 1)) // chunk
 
 
-class ChunkSelect(SelectTopk):
+class LeanRows:
+    """A one-CTA select over its shared keys (``SelectTopk.select_row`` with
+    ``alone``) that reads them twice after the load instead of once a pass
+    and once more to compact: pass 0 found, the keys of its threshold bin
+    are copied (where they fit ``BIN_KEYS``) and the later passes count the
+    copies only; the threshold found, one scan sets each position above it
+    in one bitmap and each equal to it in another, and one scan of the
+    bitmaps' words writes the columns. The same threshold and bytes as the
+    select's: its own ``radix_select`` runs over the copies (a key outside
+    the bin never matched a later pass's prefix), or over every key where
+    the bin does not fit or the passes end at +0.0."""
+
+    @cute.jit
+    def allocate(self):
+        if cutlass.const_expr(not self.lean):
+            return SelectTopk.allocate(self)
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(2 * BINS), 16)
+        totals = smem.allocate_tensor(Int32, cute.make_layout(2 * WARPS))
+        found = smem.allocate_tensor(Int32, cute.make_layout(FOUND))
+        keys = smem.allocate_tensor(Uint32, cute.make_layout(self.capacity), 16)
+        bin_keys = smem.allocate_tensor(Uint32, cute.make_layout(BIN_KEYS), 16)
+        words = cute.make_layout(self.capacity // 32)
+        above = smem.allocate_tensor(Uint32, words, 16)
+        equal = smem.allocate_tensor(Uint32, words, 16)
+        return hist, totals, found, keys, bin_keys, above, equal
+
+    @cute.jit
+    def select_row(self, source, out, row, rank, end, tid, shared, alone):
+        if cutlass.const_expr(not self.lean):
+            SelectTopk.select_row(self, source, out, row, rank, end, tid, shared, alone)
+        else:
+            hist, totals, found, keys, bin_keys, above, equal = shared
+            start, n, base = self.slice(source, row, rank, end, 1)
+            if tid < BINS:
+                hist[tid] = Int32(0)
+            if tid < FOUND:
+                found[tid] = Int32(0)
+            for w in cutlass.range(tid, (n + 31) // 32, THREADS, unroll=1):
+                above[w] = Uint32(0)
+                equal[w] = Uint32(0)
+            cute.arch.barrier()
+            keys_at = Int32(keys.iterator.toint())
+            self.load_slice(base, n, tid, keys_at, hist, found)
+            cute.arch.barrier()
+            shift = self.key_bits - self.digits[0]
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                lane = cute.arch.lane_idx()
+                self.find_alone(
+                    0, Uint32(0), shift, hist, 0, Int32(self.k), lane, found
+                )
+            cute.arch.barrier()
+            digit, early = found[0], found[4]
+            in_bin = hist[digit]
+            # A bin taken whole: every key from it up (the select's own
+            # early end, its threshold just below the bin).
+            threshold = (Uint32(digit) << Uint32(shift)) - Uint32(1)
+            need = Int32(0)
+            if early != 1:
+                at, count = keys_at, n
+                if (Int32(early == 0) & Int32(in_bin <= BIN_KEYS)) == 1:
+                    self.copy_bin(n, tid, keys_at, bin_keys, totals, digit, shift)
+                    at, count = Int32(bin_keys.iterator.toint()), in_bin
+                threshold, need, _ = self.radix_select(
+                    count, tid, rank, at, hist, totals, found, True
+                )
+            self.mark(n, tid, keys_at, above, equal, threshold)
+            self.write_marked(
+                source, out, row, start, n, tid, need, totals, above, equal
+            )
+
+    @cute.jit
+    def copy_bin(self, n, tid, keys_at, bin_keys, totals, digit, shift):
+        """Copies the keys whose first digit is ``digit`` to ``bin_keys``: each
+        thread counts its own, one CTA scan of the counts places them, a
+        second read copies them (no atomics, no warp-wide step a key); then
+        a CTA barrier."""
+        count = Int32(0)
+        for i in cutlass.range(tid * _GROUP, n, _TILE, unroll=1):
+            group = _load_shared4(keys_at + i * 4)
+            for j in cutlass.range_constexpr(_GROUP):
+                count = count + self.in_bin(group[j], i + j, n, digit, shift)
+        slot, _ = _block_scan(count, totals, 0)
+        for i in cutlass.range(tid * _GROUP, n, _TILE, unroll=1):
+            group = _load_shared4(keys_at + i * 4)
+            for j in cutlass.range_constexpr(_GROUP):
+                take = self.in_bin(group[j], i + j, n, digit, shift)
+                if take == 1:
+                    bin_keys[slot] = group[j]
+                slot = slot + take
+        cute.arch.barrier()
+
+    @cute.jit
+    def in_bin(self, key, position, n, digit, shift):
+        """1 where ``position`` is below ``n`` and ``key``'s first digit is
+        ``digit``, else 0."""
+        return Int32(position < n) & Int32(key >> Uint32(shift) == Uint32(digit))
+
+    @cute.jit
+    def mark(self, n, tid, keys_at, above, equal, threshold):
+        """Sets each position whose key is above ``threshold`` in ``above``,
+        each equal to it in ``equal`` (a thread's four positions lie in one
+        word), then a CTA barrier."""
+        for it in cutlass.range((n + _TILE - 1) // _TILE, unroll=1):
+            i = it * _TILE + tid * _GROUP
+            group = _load_shared4(keys_at + i * 4)
+            gt = Uint32(0)
+            eq = Uint32(0)
+            for j in cutlass.range_constexpr(_GROUP):
+                ok = Int32(i + j < n)
+                gt = gt | (Uint32(ok & Int32(group[j] > threshold)) << Uint32(j))
+                eq = eq | (Uint32(ok & Int32(group[j] == threshold)) << Uint32(j))
+            at = Uint32(i % 32)
+            if gt != 0:
+                cute.arch.atomic_or(above.iterator + i // 32, gt << at)
+            if eq != 0:
+                cute.arch.atomic_or(equal.iterator + i // 32, eq << at)
+        cute.arch.barrier()
+
+    @cute.jit
+    def write_marked(self, source, out, row, start, n, tid, need, totals, above, equal):
+        """Writes the positions set in ``above`` and the first ``need`` set
+        in ``equal`` as the columns they stand for, in ascending order: a
+        word a thread, a CTA scan of their counts a tile of words."""
+        words = (n + 31) // 32
+        above_run = Int32(0)
+        equal_run = Int32(0)
+        for t in cutlass.range((words + THREADS - 1) // THREADS, unroll=1):
+            w = t * THREADS + tid
+            gt = Uint32(0)
+            eq = Uint32(0)
+            if w < words:
+                gt = above[w]
+                eq = equal[w]
+            packed = Int32(cute.arch.popc(gt)) + (Int32(cute.arch.popc(eq)) << 16)
+            before, tile_total = _block_scan(packed, totals, (t & 1) * WARPS)
+            # A tile's counts reach 32768: the high half is read unsigned.
+            at_above = above_run + (before & Int32(0xFFFF))
+            at_equal = equal_run + Int32(Uint32(before) >> Uint32(16))
+            bits = gt | eq
+            for _ in cutlass.range(Int32(cute.arch.popc(bits)), unroll=1):
+                j = Int32(cute.arch.bfind(bits & (Uint32(0) - bits)))
+                bits = bits & (bits - Uint32(1))
+                g = Int32((gt >> Uint32(j)) & Uint32(1))
+                if (g | Int32(at_equal < need)) == 1:
+                    column = self.column(source, row, start + w * 32 + j)
+                    out[row, at_above + cutlass.min(at_equal, need)] = column
+                at_above = at_above + g
+                at_equal = at_equal + (1 - g)
+            above_run = above_run + (tile_total & Int32(0xFFFF))
+            equal_run = equal_run + Int32(Uint32(tile_total) >> Uint32(16))
+
+
+class ChunkSelect(LeanRows, SelectTopk):
     """Launch 1: ``SelectTopk`` of one CTA a chunk of ``chunk`` columns; its
     row ``q`` is chunk ``q % parts`` of logits row ``q // parts``."""
 
     def __init__(self, key):
         chunk = dataclasses.replace(key, cluster=1, capacity=key.chunk, chunk=0)
         super().__init__(chunk)
-        self.chunk = key.chunk
+        self.chunk, self.lean = key.chunk, LEAN
 
     @cute.jit
     def chunk_of(self, logits, q):
@@ -92,14 +261,14 @@ class ChunkSelect(SelectTopk):
         return SelectTopk.row_base(self, logits, row) + first
 
 
-class MergeSelect(SelectTopk):
+class MergeSelect(LeanRows, SelectTopk):
     """Launch 2: ``SelectTopk`` of one CTA a row over the row's candidates
     (the source is ``(logits, chunks)``; a slice's base is ``(source,
     row)``)."""
 
     def __init__(self, key):
         super().__init__(dataclasses.replace(key, cluster=1, chunk=0))
-        self.chunk = key.chunk
+        self.chunk, self.lean = key.chunk, LEAN
 
     @cute.kernel
     def kernel(
