@@ -322,8 +322,7 @@ class SelectTopk:
                         at = keys_at + (v * vector + 4 * h) * 4
                         _store_shared4(at, *group[4 * h : 4 * h + 4])
                     for key in group:
-                        zeros, at = self.count_at(key, zero, shift, zeros, spare)
-                        cute.arch.atomic_add(hist.iterator + at, Int32(1))
+                        zeros = self.count_key(key, zero, shift, zeros, spare, hist)
         if tid == 0:
             # The row end's last columns, one at a time.
             for i in cutlass.range(full * vector, n, unroll=1):
@@ -332,8 +331,21 @@ class SelectTopk:
                 else:
                     key = _key32(load_words_if(base + i, 1, True)[0])
                 _store_shared(keys_at + i * 4, key)
-                zeros, at = self.count_at(key, zero, shift, zeros, spare)
-                cute.arch.atomic_add(hist.iterator + at, Int32(1))
+                zeros = self.count_key(key, zero, shift, zeros, spare, hist)
+        self.add_zeros(zeros, zero, shift, hist, found)
+
+    @cute.jit
+    def count_key(self, key, zero, shift, zeros, spare, hist):
+        """Counts ``key`` into pass 0's histogram as the load does
+        (``count_at``); returns ``zeros``."""
+        zeros, at = self.count_at(key, zero, shift, zeros, spare)
+        cute.arch.atomic_add(hist.iterator + at, Int32(1))
+        return zeros
+
+    @cute.jit
+    def add_zeros(self, zeros, zero, shift, hist, found):
+        """Adds the warp's +0.0 keys (``zeros``, a lane's count) to their bin
+        and to ``found[5]``, a warp at once."""
         zeros = cute.arch.warp_redux_sync(zeros, "add")
         if cute.arch.lane_idx() == 0:  # noqa: SIM102
             if zeros > 0:

@@ -338,22 +338,14 @@ class MergeSelect(LeanRows, SelectTopk):
                 if v < full:
                     _store_shared4(keys_at + v * _POSITIONS * 4, *group)
                     for key in group:
-                        zeros, at = self.count_at(key, zero, shift, zeros, spare)
-                        cute.arch.atomic_add(hist.iterator + at, Int32(1))
+                        zeros = self.count_key(key, zero, shift, zeros, spare, hist)
         if tid == 0:
             # The last candidates, one at a time.
             for i in cutlass.range(full * _POSITIONS, n, unroll=1):
                 key = self.key_at(row_at, self.column(base[0], row, i))
                 _store_shared(keys_at + i * 4, key)
-                zeros, at = self.count_at(key, zero, shift, zeros, spare)
-                cute.arch.atomic_add(hist.iterator + at, Int32(1))
-        zeros = cute.arch.warp_redux_sync(zeros, "add")
-        if cute.arch.lane_idx() == 0:  # noqa: SIM102
-            if zeros > 0:
-                cute.arch.atomic_add(
-                    hist.iterator + Int32(zero >> Uint32(shift)), zeros
-                )
-                cute.arch.atomic_add(found.iterator + 5, zeros)
+                zeros = self.count_key(key, zero, shift, zeros, spare, hist)
+        self.add_zeros(zeros, zero, shift, hist, found)
 
 
 class SplitSelectTopk:
