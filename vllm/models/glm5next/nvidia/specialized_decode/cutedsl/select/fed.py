@@ -28,7 +28,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from ..common.ptx import load_words_if
-from .kernel import BINS, THREADS, WARPS, SelectTopk, _block_scan, _key32
+from .kernel import BINS, THREADS, WARPS, SelectTopk, _key32
 from .kernel import _load_shared4 as load_shared4
 
 # The histogram's words a row: the 256 bins, then the +0.0 count.
@@ -133,7 +133,8 @@ class FedSelectTopk(SelectTopk):
                     base, end, tid, hinted & Int32(attempt == 0), shared
                 )
         cute.arch.barrier()
-        self.write(out, row, end, tid, need, shared)
+        _, totals, _, _, _, above, equal = shared
+        self.write_marked(base, out, row, 0, end, tid, need, totals, above, equal)
 
     @cute.jit
     def threshold(self, base, end, tid, hinted, shared):
@@ -442,37 +443,3 @@ class FedSelectTopk(SelectTopk):
                 cute.arch.atomic_or(above.iterator + column // 32, bit)
             if key == threshold:
                 cute.arch.atomic_or(equal.iterator + column // 32, bit)
-
-    @cute.jit
-    def write(self, out, row, end, tid, need, shared):
-        """Writes the columns set in ``above`` and the first ``need`` set in
-        ``equal``, in ascending order: a word a thread, a CTA scan of their
-        counts a tile; stops once the row's ``k`` are written."""
-        _, totals, _, _, _, above, equal = shared
-        words = (end + 31) // 32
-        above_run = Int32(0)
-        equal_run = Int32(0)
-        for t in cutlass.range((words + THREADS - 1) // THREADS, unroll=1):
-            if above_run + cutlass.min(equal_run, need) < self.k:
-                w = t * THREADS + tid
-                gt = Uint32(0)
-                eq = Uint32(0)
-                if w < words:
-                    gt = above[w]
-                    eq = equal[w]
-                packed = Int32(cute.arch.popc(gt)) + (Int32(cute.arch.popc(eq)) << 16)
-                before, tile_total = _block_scan(packed, totals, (t & 1) * WARPS)
-                # A tile's counts reach 32768: the high half is read unsigned.
-                at_above = above_run + (before & Int32(0xFFFF))
-                at_equal = equal_run + Int32(Uint32(before) >> Uint32(16))
-                bits = gt | eq
-                for _ in cutlass.range(Int32(cute.arch.popc(bits)), unroll=1):
-                    j = Int32(cute.arch.bfind(bits & (Uint32(0) - bits)))
-                    bits = bits & (bits - Uint32(1))
-                    g = Int32((gt >> Uint32(j)) & Uint32(1))
-                    if (g | Int32(at_equal < need)) == 1:
-                        out[row, at_above + cutlass.min(at_equal, need)] = w * 32 + j
-                    at_above = at_above + g
-                    at_equal = at_equal + (1 - g)
-                above_run = above_run + (tile_total & Int32(0xFFFF))
-                equal_run = equal_run + Int32(Uint32(tile_total) >> Uint32(16))

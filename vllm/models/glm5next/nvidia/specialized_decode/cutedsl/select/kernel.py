@@ -610,3 +610,40 @@ class SelectTopk:
                     equal = equal + e
                 above_run = above_run + (tile_total & Int32(0xFFFF))
                 equal_run = equal_run + (tile_total >> 16)
+
+    @cute.jit
+    def write_marked(self, source, out, row, start, n, tid, need, totals, above, equal):
+        """Writes the positions below ``n`` set in ``above`` and the first
+        ``need`` set in ``equal`` (the bitmaps of a one-CTA select: the fed
+        select's, the split select's lean CTAs') as the columns they stand
+        for (``column``), in ascending order: a word a thread, a CTA scan of
+        their counts a tile of words; stops once the row's ``k`` are
+        written."""
+        words = (n + 31) // 32
+        above_run = Int32(0)
+        equal_run = Int32(0)
+        for t in cutlass.range((words + THREADS - 1) // THREADS, unroll=1):
+            if above_run + cutlass.min(equal_run, need) < self.k:
+                w = t * THREADS + tid
+                gt = Uint32(0)
+                eq = Uint32(0)
+                if w < words:
+                    gt = above[w]
+                    eq = equal[w]
+                packed = Int32(cute.arch.popc(gt)) + (Int32(cute.arch.popc(eq)) << 16)
+                before, tile_total = _block_scan(packed, totals, (t & 1) * WARPS)
+                # A tile's counts reach 32768: the high half is read unsigned.
+                at_above = above_run + (before & Int32(0xFFFF))
+                at_equal = equal_run + Int32(Uint32(before) >> Uint32(16))
+                bits = gt | eq
+                for _ in cutlass.range(Int32(cute.arch.popc(bits)), unroll=1):
+                    j = Int32(cute.arch.bfind(bits & (Uint32(0) - bits)))
+                    bits = bits & (bits - Uint32(1))
+                    g = Int32((gt >> Uint32(j)) & Uint32(1))
+                    if (g | Int32(at_equal < need)) == 1:
+                        column = self.column(source, row, start + w * 32 + j)
+                        out[row, at_above + cutlass.min(at_equal, need)] = column
+                    at_above = at_above + g
+                    at_equal = at_equal + (1 - g)
+                above_run = above_run + (tile_total & Int32(0xFFFF))
+                equal_run = equal_run + Int32(Uint32(tile_total) >> Uint32(16))

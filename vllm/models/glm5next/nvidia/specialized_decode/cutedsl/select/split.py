@@ -87,10 +87,11 @@ class LeanRows:
     are copied (where they fit ``BIN_KEYS``) and the later passes count the
     copies only; the threshold found, one scan sets each position above it
     in one bitmap and each equal to it in another, and one scan of the
-    bitmaps' words writes the columns. The same threshold and bytes as the
-    select's: its own ``radix_select`` runs over the copies (a key outside
-    the bin never matched a later pass's prefix), or over every key where
-    the bin does not fit or the passes end at +0.0."""
+    bitmaps' words writes the columns (``write_marked``, the fed select's
+    write). The same threshold and bytes as the select's: its own
+    ``radix_select`` runs over the copies (a key outside the bin never
+    matched a later pass's prefix), or over every key where the bin does
+    not fit or the passes end at +0.0."""
 
     @cute.jit
     def allocate(self):
@@ -198,39 +199,6 @@ class LeanRows:
             if eq != 0:
                 cute.arch.atomic_or(equal.iterator + i // 32, eq << at)
         cute.arch.barrier()
-
-    @cute.jit
-    def write_marked(self, source, out, row, start, n, tid, need, totals, above, equal):
-        """Writes the positions set in ``above`` and the first ``need`` set
-        in ``equal`` as the columns they stand for, in ascending order: a
-        word a thread, a CTA scan of their counts a tile of words."""
-        words = (n + 31) // 32
-        above_run = Int32(0)
-        equal_run = Int32(0)
-        for t in cutlass.range((words + THREADS - 1) // THREADS, unroll=1):
-            w = t * THREADS + tid
-            gt = Uint32(0)
-            eq = Uint32(0)
-            if w < words:
-                gt = above[w]
-                eq = equal[w]
-            packed = Int32(cute.arch.popc(gt)) + (Int32(cute.arch.popc(eq)) << 16)
-            before, tile_total = _block_scan(packed, totals, (t & 1) * WARPS)
-            # A tile's counts reach 32768: the high half is read unsigned.
-            at_above = above_run + (before & Int32(0xFFFF))
-            at_equal = equal_run + Int32(Uint32(before) >> Uint32(16))
-            bits = gt | eq
-            for _ in cutlass.range(Int32(cute.arch.popc(bits)), unroll=1):
-                j = Int32(cute.arch.bfind(bits & (Uint32(0) - bits)))
-                bits = bits & (bits - Uint32(1))
-                g = Int32((gt >> Uint32(j)) & Uint32(1))
-                if (g | Int32(at_equal < need)) == 1:
-                    column = self.column(source, row, start + w * 32 + j)
-                    out[row, at_above + cutlass.min(at_equal, need)] = column
-                at_above = at_above + g
-                at_equal = at_equal + (1 - g)
-            above_run = above_run + (tile_total & Int32(0xFFFF))
-            equal_run = equal_run + Int32(Uint32(tile_total) >> Uint32(16))
 
 
 class ChunkSelect(LeanRows, SelectTopk):
