@@ -96,18 +96,66 @@ def test_supported_deployment(gpu, make_config, vllm_log):
 # --- auto ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("extra", [None, {}, {"decode_backend": "auto"}])
+@pytest.mark.parametrize("extra", [{}, {"decode_backend": "auto"}])
 def test_auto_is_stock(gpu, make_config, vllm_log, extra):
     gpu(None)  # no requirement is checked
     assert read(make_config, extra) is None
     assert messages(vllm_log) == []
 
 
+class Hashable:
+    """A non-dict ``additional_config`` vLLM accepts (``SupportsHash``)."""
+
+    def compute_hash(self) -> str:
+        return "0"
+
+    def __repr__(self) -> str:
+        return "Hashable()"
+
+
+@pytest.mark.parametrize(
+    "extra, echoed",
+    [
+        (None, "None (NoneType)"),
+        ("latency_specialized", "'latency_specialized' (str)"),
+        (
+            ["decode_backend", "latency_specialized"],
+            "['decode_backend', 'latency_specialized'] (list)",
+        ),
+        (Hashable(), "Hashable() (Hashable)"),
+        (["x"] * 100, "[" + "'x', " * 15 + "'... (list)"),
+    ],
+)
+def test_a_non_dict_additional_config_is_refused_by_name(
+    gpu, make_config, vllm_log, extra, echoed
+):
+    """Not read as ``{}`` (stock, the settings it meant lost): refused,
+    naming ``additional_config`` and what it must be, its value cut."""
+    gpu(None)
+    with pytest.raises(ValueError) as error:
+        read(make_config, extra)
+    assert str(error.value) == (
+        f"additional_config={echoed}: expected a dict of settings, a JSON "
+        'object such as {"decode_backend": "latency_specialized"}'
+    )
+    assert messages(vllm_log) == []
+
+
 def ignored(names: str) -> str:
+    verb = "take" if ", " in names else "takes"
     return (
-        f"GLM-5-Next specialized decode: {names} only take effect with "
+        f"GLM-5-Next specialized decode: {names} {verb} effect only with "
         "additional_config decode_backend=latency_specialized; ignored under "
         "decode_backend=auto."
+    )
+
+
+def test_the_ignored_settings_warning_agrees_with_their_number():
+    assert ignored("kpool_select").startswith(
+        "GLM-5-Next specialized decode: kpool_select takes effect only with "
+    )
+    assert ignored("kpool_select, kpool_scores").startswith(
+        "GLM-5-Next specialized decode: kpool_select, kpool_scores take effect "
     )
 
 
@@ -217,8 +265,36 @@ BAD = [
             ("fullwidth", "\uff17"),
             ("2**31", "2147483648"),
             ("10**23", str(10**23)),
-            ("5000-digits", "9" * 5000),
         ]
+    ),
+    pytest.param(
+        {},
+        {SEED_ENV: "9" * 5000},
+        f"environment VLLM_GLM5NEXT_KPOOL_SELF_CHECK_SEED='{'9' * 76}...: expected"
+        " a decimal integer in [0, 2147483647]",
+        id="seed-5000-digits-cut",
+    ),
+    pytest.param(
+        {"kpool_select": "y" * 78},
+        {},
+        f"additional_config kpool_select='{'y' * 78}': expected true, false or "
+        '"one_wave"',
+        id="select-80-characters-whole",
+    ),
+    pytest.param(
+        {"kpool_select": "y" * 79},
+        {},
+        f"additional_config kpool_select='{'y' * 76}...: expected true, false or "
+        '"one_wave"',
+        id="select-81-characters-cut",
+    ),
+    pytest.param(
+        {"specialized_decode_skip": list(range(1000))},
+        {},
+        "additional_config specialized_decode_skip=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, "
+        "10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21...: expected a list of "
+        "stage names out of ['dsa_kpool']",
+        id="skip-long-list-cut",
     ),
     pytest.param(
         {"kpool_select": "yes"},
@@ -450,6 +526,16 @@ def test_unknown_keys_warn_with_the_nearest(
             ),
         )
     ]
+
+
+def test_a_long_unknown_key_is_cut_in_its_warning(gpu, make_config, vllm_log):
+    key = "kpool_" + "z" * 200
+    read(make_config, {key: "x"})
+    ((level, message),) = messages(vllm_log)
+    assert message == (
+        f"additional_config key 'kpool_{'z' * 70}... is not a GLM-5-Next "
+        f"specialized decode setting and is ignored (valid keys: {VALID_KEYS})."
+    )
 
 
 VALID_VARIABLES = f"{CHECK_ENV}, {SEED_ENV}"

@@ -93,6 +93,7 @@ BAD = [
     ({**ON}, {SEED_ENV: "0x1f"}),
     ({**ON, "kpool_select": "true"}, {}),
     ({**ON, "kpool_scores": "true"}, {}),
+    (["decode_backend", "latency_specialized"], {}),
 ]
 
 

@@ -4,8 +4,10 @@
 into a ``DecodeConfig``, and what a deployment must have to run the
 ``dsa_kpool`` stage. docs/reference.md tables the settings.
 
-Every setting is read and checked first, whatever the backend: a bad value
-raises a ``ValueError`` that echoes it and says where it came from. Then,
+``additional_config`` must be a dict. Every setting is read and checked
+first, whatever the backend: a bad value raises a ``ValueError`` that
+echoes it (cut to ``ECHO_LIMIT`` characters) and says where it came from.
+Then,
 with ``latency_specialized``, the requirements (one error lists every one
 missed); under ``auto`` one warning names the settings that are set but
 only matter with ``latency_specialized``. A key or ``VLLM_`` variable named
@@ -131,24 +133,44 @@ def read_seed(text: str | None) -> int | None:
     raise _bad(SELF_CHECK_SEED_ENV, text, expected)
 
 
+# The most characters of a value an error or warning echoes.
+ECHO_LIMIT = 80
+
+
+def echo(value) -> str:
+    """``repr(value)``, cut to ``ECHO_LIMIT`` characters with "..." where
+    longer: a 5,000-digit seed must not fill the log."""
+    text = repr(value)
+    return text if len(text) <= ECHO_LIMIT else text[: ECHO_LIMIT - 3] + "..."
+
+
 def _bad(name: str, value, expected: str) -> ValueError:
-    """A bad setting's error: ``value`` echoed with its source."""
+    """A bad setting's error: ``value`` echoed (cut) with its source."""
     source = "environment" if name in ENV_VARS else "additional_config"
-    return ValueError(f"{source} {name}={value!r}: expected {expected}")
+    return ValueError(f"{source} {name}={echo(value)}: expected {expected}")
 
 
 def specialized_decode_config(vllm_config, environ=os.environ) -> DecodeConfig | None:
     """The specialized decode settings, or None for the stock decode; raises
     ValueError for a bad value or missed requirements (all listed at once)."""
     extra = vllm_config.additional_config
-    config = read_settings(extra if isinstance(extra, dict) else {}, environ)
+    if not isinstance(extra, dict):
+        # vLLM also takes an object with compute_hash(); its settings, if
+        # any, cannot be read here, so it is refused rather than ignored.
+        raise ValueError(
+            f"additional_config={echo(extra)} ({type(extra).__name__}): expected "
+            "a dict of settings, a JSON object such as "
+            f'{{"{BACKEND_KEY}": "{BACKEND}"}}'
+        )
+    config = read_settings(extra, environ)
     if config.backend == "auto":
         ignored = [name for name in config.given if name != BACKEND_KEY]
         if ignored:
             logger.warning(
-                "GLM-5-Next specialized decode: %s only take effect with "
+                "GLM-5-Next specialized decode: %s %s effect only with "
                 "additional_config %s=%s; ignored under %s=auto.",
-                ", ".join(ignored), BACKEND_KEY, BACKEND, BACKEND_KEY,
+                ", ".join(ignored), "takes" if len(ignored) == 1 else "take",
+                BACKEND_KEY, BACKEND, BACKEND_KEY,
             )  # fmt: skip
         return None
     if config.stages:
@@ -201,9 +223,9 @@ def warn_unknown_keys(extra: dict) -> None:
         near = nearest(normal, CONFIG_KEYS)
         if near or _words(normal) & {"decode", "specialized", "kpool"}:
             logger.warning(
-                "additional_config key %r is not a GLM-5-Next specialized "
+                "additional_config key %s is not a GLM-5-Next specialized "
                 "decode setting and is ignored%s (valid keys: %s).",
-                key, f"; did you mean {near!r}?" if near else "",
+                echo(key), f"; did you mean {near!r}?" if near else "",
                 ", ".join(CONFIG_KEYS),
             )  # fmt: skip
 
