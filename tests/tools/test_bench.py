@@ -4,7 +4,8 @@
 the cases it covers, the indexer-like logits' shares, every case's inputs
 taken by both sides (stock's kernels run under the Triton interpreter, ours
 through each kernel's own rule and compile-key dispatch, ``spec``), the
-JSON of a small run through the timing core."""
+JSON of a small run through the timing core, and the figures it prints and
+writes from known timings (stock over ours, IQR over median)."""
 
 import itertools
 import json
@@ -261,3 +262,54 @@ def test_a_small_run_writes_each_row_s_figures(monkeypatch, tmp_path, capsys):
     err = capsys.readouterr()
     assert "Traceback" in err.err and "FAILED RuntimeError: exploded" in err.out
     assert "scores: DeepGEMM" in err.out
+
+
+# Known timings a side: the graph timer's quantiles (ms, by the quantile
+# asked for) and the eager timer's medians (µs, one a timing).
+GRAPH_MS = {
+    "stock": {0.25: 0.8, 0.5: 1.0, 0.75: 1.4},
+    "ours": {0.25: 0.15, 0.5: 0.25, 0.75: 0.35},
+}
+EAGER_US = {"stock": [70, 10, 60, 20, 50, 30, 40], "ours": [3, 9, 4, 8, 5, 7, 6]}
+
+
+def test_the_ratio_is_stock_over_ours_and_the_spread_iqr_over_median(
+    monkeypatch, tmp_path, capsys
+):
+    """Known quantiles on both sides through the bench's own timers' wrappers,
+    ``run`` and ``write_json``: the printed ratio is stock time over ours,
+    each written spread (q3 - q1) / median of its own side, and the printed
+    spread the larger of the two."""
+    triton_testing = pytest.importorskip("triton.testing")
+    from torch.utils import benchmark
+
+    def graph(fn, rep, quantiles):
+        side = fn()  # the case's fns name their side
+        return [GRAPH_MS[side][q] for q in quantiles]
+
+    class Timer:
+        def __init__(self, stmt, globals):
+            self.call, self.medians = eval(f"lambda: {stmt}", globals), None
+
+        def timeit(self, number):
+            side = self.call()
+            if self.medians is None:
+                self.medians = iter(EAGER_US[side])
+            return SimpleNamespace(median=next(self.medians) * 1e-6)
+
+    monkeypatch.setattr(triton_testing, "do_bench_cudagraph", graph)
+    monkeypatch.setattr(benchmark, "Timer", Timer)
+    sides = [lambda: "stock"], [lambda: "ours"]
+    monkeypatch.setattr(bench, "build", lambda *_: ([("", *sides)], {}))
+    plan = bench.Plan(eager_calls=1, eager_repeats=7)
+    rows = bench.run([dict(case="expand", rows=1)], plan, CPU, copy_gbs=1.0)
+    bench.write_json(tmp_path / "bench.json", {}, rows)
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["kernels"]
+    # Graph: medians 1000 and 250 µs; IQRs 600 and 200 µs.
+    assert row["graph_us"] == pytest.approx([1000.0, 250.0])
+    assert row["graph_spread"] == pytest.approx([0.6, 0.8])  # not 0.75, 1.33
+    # Eager, inclusive quartiles of the seven: (25, 40, 55) and (4.5, 6, 7.5).
+    assert row["eager_us"] == pytest.approx([40.0, 6.0])
+    assert row["eager_spread"] == pytest.approx([0.75, 0.5])  # not 1.2, 0.67
+    line = capsys.readouterr().out.strip()
+    assert line.endswith("graph x4.00 ±80% | eager x6.67 ±75%"), line
