@@ -6,6 +6,7 @@ what its rule takes, in its own words from its refusals at the edges the
 kernel tests try (``rule_edges.py``), and what a refused input gets.
 ``python tools/guard_table.py`` prints it and nothing else on stdout."""
 
+import argparse
 import inspect
 import os
 import re
@@ -75,7 +76,9 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)
     stdout = os.dup(1)
     os.dup2(2, 1)  # whatever the imports and the stock kernels print: stderr
     try:
@@ -88,3 +91,8 @@ if __name__ == "__main__":
         sys.stdout.flush()
         os.dup2(stdout, 1)
     print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,6 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
+# usage: cutedsl_bundle.sh [DEST]
+#
 # Run on the development machine (CPU, pip with access to PyPI), once,
 # before prepare.sh, from anywhere:
 #

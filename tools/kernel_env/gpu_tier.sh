@@ -2,6 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
+# usage: gpu_tier.sh [--stock-topk XZ | --select-fuzz | --select-ncu [KIND]] [PYTEST ARGS]
+#        gpu_tier.sh --summarize [--strict] XML...
+#
 # The GPU tier on the kernel-only GPU machine (torch, triton, no vLLM), from
 # the project root, with .device (tools/kernel_env/prepare.sh) beside it:
 #

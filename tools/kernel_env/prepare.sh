@@ -2,6 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
+# usage: prepare.sh [--stock-topk | --deep-gemm]
+#
 # Run on the development machine (CPU, the pinned vllm installed), before a
 # run on the GPU machine, from anywhere:
 #

@@ -2,6 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
+# usage: sanitize.sh [TOOL...]
+#
 # compute-sanitizer over the kernels' fuzz loops on the kernel-only GPU
 # machine, from the project root, with .device (tools/kernel_env/prepare.sh)
 # beside it:

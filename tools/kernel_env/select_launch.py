@@ -2,19 +2,23 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Three ``select_topk`` launches (k 512) on ``rows`` x ``width`` random
 normals with full row ends, for a profiler to catch one (``gpu_tier.sh
---select-ncu``), in the kernel-only environment; prints the compile key.
-``fed``: the fed select on FP32 logits, each launch given the rows' counted
-histogram (``cases.select_histogram``, as our scores count it):
+--select-ncu``), on a GPU machine without vLLM (the shim); prints the
+compile key. ``fed``: the fed select on FP32 logits, each launch given the
+rows' counted histogram (``cases.select_histogram``, as our scores count it):
 
     python3 tools/kernel_env/select_launch.py ROWS WIDTH float32|bfloat16|fed
 """
 
+import argparse
 import sys
 from pathlib import Path
 
-if len(sys.argv) != 4:
-    print(__doc__)
-    sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
+if __name__ == "__main__":  # the arguments first: --help imports nothing
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("rows", type=int)
+    parser.add_argument("width", type=int, help="pools a row")
+    parser.add_argument("dtype", choices=("float32", "bfloat16", "fed"))
+    ARGS = parser.parse_args()
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tools.kernel_env.shim import install_from_env  # noqa: E402
@@ -52,4 +56,4 @@ def main(rows: int, width: int, dtype: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(ARGS.rows, ARGS.width, ARGS.dtype)

@@ -29,6 +29,7 @@ Install before anything imports ``vllm`` or ``quack``.
 
 import __future__
 
+import argparse
 import ast
 import contextlib
 import importlib
@@ -41,6 +42,10 @@ import tempfile
 import types
 from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a file: python tools/kernel_env/shim.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    __package__ = "tools.kernel_env"
 
 from .stage import QUACK, STOCK, verify
 from .stubs import init_logger, mqa_logits_use_mx_scales, set_mx_scales
@@ -299,12 +304,14 @@ def install_from_env() -> bool:
     return True
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Preflight on the GPU machine: install from the environment, import
     the whole product and print what loaded."""
-    if sys.argv[1:]:
-        print("python3 -m tools.kernel_env.shim: " + (main.__doc__ or ""))
-        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
+    parser = argparse.ArgumentParser(
+        prog="python3 -m tools.kernel_env.shim",
+        description=f"{main.__doc__} Needs KPOOL_KERNEL_ONLY=1 and KPOOL_STOCK.",
+    )
+    parser.parse_args(argv)
     import torch
     import triton
 

@@ -10,13 +10,19 @@ and ``persistent_topk``.
 GLM-5-Next's decode (``indexer_topk.py``): ``cooperative_topk`` up to
 ``AUTO_COOPERATIVE_MAX_ROWS`` rows, else ``persistent_topk``, each called as
 ``op(logits, seq_lens.reshape(-1), out, workspace, k, max_seq_len)`` with a
-uint8 workspace of ``RADIX_TOPK_WORKSPACE_SIZE`` bytes. FP32 logits only."""
+uint8 workspace of ``RADIX_TOPK_WORKSPACE_SIZE`` bytes. FP32 logits only.
 
+``python3 tools/kernel_env/stock_topk.py [SO]`` loads the binary and prints
+the ops it registered (a check that it loads beside the machine's torch)."""
+
+import argparse
 import os
+import sys
 
 import torch
 
 ENV = "KPOOL_STOCK_TOPK_SO"
+OPS = ("cooperative_topk", "persistent_topk")
 AUTO_COOPERATIVE_MAX_ROWS = 64
 RADIX_TOPK_WORKSPACE_SIZE = 1024 * 1024
 
@@ -53,3 +59,20 @@ class StockTopk:
             logits, seq_lens.reshape(-1), out, self.workspace, k, max_seq_len
         )
         return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "so", nargs="?", help=f"the wheel's _C_stable_libtorch.abi3.so (default: {ENV})"
+    )
+    args = parser.parse_args(argv)
+    if not load(args.so):
+        parser.error(f"no binary: give SO or set {ENV}")
+    ops = [op for op in OPS if hasattr(torch.ops._C, op)]
+    print(f"{args.so or os.environ[ENV]}: torch.ops._C {', '.join(ops) or 'none'}")
+    return 0 if len(ops) == len(OPS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

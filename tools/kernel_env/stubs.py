@@ -9,8 +9,12 @@ from ``SparseMLACommonImpl``'s); the shim sets their stock flags and
 ``forward_mqa`` on them. Each stand-in function raises, naming itself, when
 called, unless a caller (a test driver) replaced it first.
 ``set_mx_scales`` forces ``mqa_logits_use_mx_scales()``.
+
+``python3 tools/kernel_env/stubs.py`` lists the stand-ins, one
+``module.name`` a line.
 """
 
+import argparse
 import functools
 import importlib.util
 import logging
@@ -211,3 +215,18 @@ def stubs() -> dict[str, dict[str, Any]]:
             bases=impl,
         ),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)
+    for module, names in stubs().items():
+        for name in names:
+            print(f"{module}.{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
