@@ -5,7 +5,7 @@ stock, byte for byte after every step, and its per-layer timing: the command
 line of the indexer simulator (``tests/models/glm5next/indexer_sim.py``).
 
     source .device/env.sh && KPOOL_KERNEL_ONLY=1 \\
-        python3 tools/indexer_steps.py --json $OUT/indexer_steps.json --time
+        python3 tools/indexer_steps.py --json indexer_steps.json --time
     .venv/bin/python tools/indexer_steps.py --cpu-smoke  # the overlay, CPU
 
 Default matrix: each backend path (``sm100``, ``flashmla_fp8``,
