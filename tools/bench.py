@@ -10,7 +10,8 @@ calls between two synchronizes, stock and ours alternated). Cases: ``--list``;
 every kernel is compiled and warmed on its inputs before any timing. Writes a
 JSON (``meta``; ``kernels``, ``select`` and ``scores`` rows; pairs [stock,
 ours]). Runs on the patched overlay of the installed vLLM or, with
-``KPOOL_KERNEL_ONLY=1``, on the kernel-only machine. A case that raises prints
+``KPOOL_KERNEL_ONLY=1``, on a GPU machine without vLLM (the GPU tier's shim:
+docs/gpu-tier.md). A case that raises prints
 its traceback; the others still run and the exit status is 1."""
 
 import argparse

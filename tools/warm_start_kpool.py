@@ -7,7 +7,7 @@ blocks, 256 decode rows), on this GPU (without one: for ``CUTE_DSL_ARCH``,
 default ``sm_90a``). Run it twice: the second process reads the CuTe DSL's
 file cache (``CUTE_DSL_CACHE_DIR``).
 
-    python tools/warm_start_kpool.py   # KPOOL_KERNEL_ONLY=1 on a kernel-only box
+    python tools/warm_start_kpool.py   # KPOOL_KERNEL_ONLY=1 without vLLM
 """
 
 import argparse

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The kernel-only GPU environment (``tools/kernel_env``) gives the same stock
+"""The GPU tier's environment without vLLM (``tools/kernel_env``) gives the same stock
 code as the real import of the patched vLLM tree.
 
 The real side runs here (the root conftest puts the patched overlay first on
@@ -46,7 +46,7 @@ MLA = "vllm.v1.attention.backends.mla"
 SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
 MLA_ATTENTION = "vllm.model_executor.layers.attention.mla_attention"
 SPARSE_INDEXER = "vllm.models.glm5next.nvidia.sparse_indexer"
-# What the kernel-only environment must export whole (the TVM-FFI launch path).
+# What the shim must export whole (the TVM-FFI launch path).
 EXPORTS = {
     "vllm.model_executor.warmup.jit_warmup": (
         "kernel_launcher",
@@ -90,7 +90,7 @@ STAND_INS = {
     "vllm.utils.torch_utils.current_stream": "torch_utils is not staged",
     # CUDA when torch sees a GPU.
     "vllm.platforms.current_platform": "no platform detection",
-    # The warmup's rank verdicts: no process group in the kernel-only runs.
+    # The warmup's rank verdicts: no process group in the shim's runs.
     "vllm.distributed.get_tp_group": "vLLM's distributed state is not staged",
     "vllm.distributed.model_parallel_is_initialized": "no process group there",
     **dict.fromkeys(RAISING, "raises unless replaced"),

@@ -14,7 +14,8 @@
 # nvidia-cutlass-dsl 4.8.0 wheels (-libs-base, -libs-core, -libs-cu13) and
 # apache-tvm-ffi 0.1.11 (vLLM's pin, the TVM-FFI launch path of its CuTe DSL
 # kernels) for CUDA 13, CPython 3.12, x86-64, installed into one directory
-# and xz-compressed (~56 MiB, so that it travels with the tree under 64 MiB):
+# and xz-compressed (~56 MiB, so that with the tree it stays under the
+# 64 MiB the GPU job harness ships, docs/gpu-tier.md):
 # DEST/cutedsl-4.8.0-tvmffi-0.1.11-cu13-cp312.tar.xz, and DEST/env.sh (from
 # env.sh.in), which unpacks it on the GPU machine: source it there from the
 # repository root. Packing takes about 5 minutes; the archive is kept in
@@ -43,7 +44,7 @@ if [ ! -s "$cache/$name" ]; then
     "apache-tvm-ffi==$tvm"
   python3 -m pip install -q --no-deps --no-compile --target "$work/site" --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --only-binary=:all: "$work"/whl/*.whl
-  # A large dictionary is what brings the 260 MB tree under the 64 MiB limit.
+  # A large dictionary is what brings the 260 MB tree to ~56 MiB (above).
   tar cf - -C "$work/site" . | xz -T1 --lzma2=preset=9e,dict=384MiB,nice=273 > "$work/$name"
   mv "$work/$name" "$cache/$name"
 fi

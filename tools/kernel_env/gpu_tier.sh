@@ -5,15 +5,16 @@
 # usage: gpu_tier.sh [--stock-topk XZ | --select-fuzz | --select-ncu [KIND]] [PYTEST ARGS]
 #        gpu_tier.sh --summarize [--strict] XML...
 #
-# The GPU tier on the kernel-only GPU machine (torch, triton, no vLLM), from
+# The GPU tier on a GPU machine without vLLM (torch, triton, CUDA), from
 # the project root, with .device (tools/kernel_env/prepare.sh) beside it:
 #
 #   gpu_tier.sh [PYTEST ARGS]    the GPU tests of TESTS (-m "gpu and not stock_topk")
 #   gpu_tier.sh --stock-topk XZ [PYTEST ARGS]
 #       the tests marked stock_topk against vLLM's own top-k: XZ is the wheel's
 #       _C_stable_libtorch.abi3.so, xz-compressed (prepare.sh --stock-topk puts
-#       it in .device2/c.so.xz). Too big to go with .device under 64 MiB, it
-#       goes in a second run with only .device2, on the same machine after a
+#       it in .device2/c.so.xz). Too big to go with .device under the 64 MiB
+#       the GPU job harness ships with the tree (docs/gpu-tier.md), it goes
+#       in a second run with only .device2, on the same machine after a
 #       run with .device, whose CuTe DSL (/tmp/kpool-site) and stage
 #       (/tmp/kpool-stock) it reuses. Fails if XZ is missing, if no test ran
 #       or if any skipped.

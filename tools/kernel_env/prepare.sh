@@ -22,7 +22,8 @@
 # tools/overlay.py builds (a hard-link copy of the installed vllm with the
 # patch set applied). .device and .device2 must be git-ignored (.device2 is
 # added to the git exclude file when missing): they go to the GPU machine
-# beside the tree, each with the tree under 64 MiB.
+# beside the tree, each with the tree under 64 MiB, the most the GPU job
+# harness ships with the tree (docs/gpu-tier.md).
 set -euo pipefail
 case ${1:-} in
   -h | --help) sed -n '5,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;

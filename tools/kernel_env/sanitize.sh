@@ -4,8 +4,8 @@
 #
 # usage: sanitize.sh [TOOL...]
 #
-# compute-sanitizer over the kernels' fuzz loops on the kernel-only GPU
-# machine, from the project root, with .device (tools/kernel_env/prepare.sh)
+# compute-sanitizer over the kernels' fuzz loops on a GPU machine without
+# vLLM, from the project root, with .device (tools/kernel_env/prepare.sh)
 # beside it:
 #
 #   sanitize.sh [TOOL...]    memcheck racecheck initcheck synccheck (default: all)

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Stage what the kernel-only GPU run needs from the pinned vLLM install.
+"""Stage what a GPU run without vLLM needs from the pinned vLLM install.
 
     python tools/kernel_env/stage.py --tree TREE [--quack DIR] [--dest .device/stock]
 

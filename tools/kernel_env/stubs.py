@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The stand-ins of the kernel-only ``vllm`` (``shim.py``) for what cannot
+"""The stand-ins of the shim's ``vllm`` (``shim.py``) for what cannot
 load without vLLM: DeepGEMM, the CUDA top-k, ``vllm._custom_ops``, the
 workspace manager, distributed groups, configs, the platform, and classes
 named in annotations, bases and isinstance checks. The sparse MLA impl
@@ -64,7 +64,7 @@ def paged_scores(module: str) -> dict[str, Any]:
         q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
         max_model_len, indices=None,
     ):  # fmt: skip
-        assert indices is None, "the kernel-only runs take SM90's batched form"
+        assert indices is None, "the shim's runs take SM90's batched form"
         return deep_gemm.fp8_fp4_paged_mqa_logits(
             q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
             max_model_len,
@@ -91,7 +91,7 @@ def _unavailable(module: str, name: str):
 
     def missing(*args: Any, **kwargs: Any):
         raise RuntimeError(
-            f"{module}.{name} is not available in the kernel-only environment;"
+            f"{module}.{name} is not available without vLLM (the GPU tier's shim);"
             " the caller must install a stand-in"
         )
 
@@ -168,7 +168,7 @@ def stubs() -> dict[str, dict[str, Any]]:
                 "get_tp_group",
                 "get_tensor_model_parallel_rank",
             ),
-            # The kernel-only runs set up no process group.
+            # The shim's runs set up no process group.
             "model_parallel_is_initialized": lambda: False,
         },
         "vllm._custom_ops": ops(

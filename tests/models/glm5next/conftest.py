@@ -5,7 +5,7 @@
 - ``CUTE_DSL_ARCH`` defaults to ``sm_90a`` before any test module imports
   cutlass: the CuTe kernels then compile on a machine without a GPU.
 - The simulator's fixtures (``indexer_sim``, imported only when a test asks
-  for one: the kernel-only GPU environment has no stock tree to load), a
+  for one: a GPU machine without vLLM has no stock tree to load), a
   deployment's config and a faked GPU for ``config.py`` and ``install()``.
 - vLLM's process groups over one CPU rank (``one_cpu_rank``), for tests
   that build vLLM's model or runner objects.

@@ -57,7 +57,7 @@ def test_names():
 
 def test_config_imports_no_vllm_at_load():
     """``constants.py`` imports nothing and ``config.py`` only ``vllm.logger``
-    (the kernel-only environment provides torch and that logger)."""
+    (the GPU tier's shim provides torch and that logger)."""
     script = textwrap.dedent(f"""
         import importlib.util, logging, sys, types
         package = "vllm.models.glm5next.nvidia.specialized_decode"

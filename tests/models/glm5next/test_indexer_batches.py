@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``indexer_batches.Builder``: the metadata the GPU tier lays by hand
-(``laid``: the kernel-only machine has no vLLM builders) is what vLLM's own
+(``laid``: a GPU machine without vLLM has no vLLM builders) is what vLLM's own
 builders build (``built``) from the same ``CommonAttentionMetadata``, field
 for field, over a serving run's batches of every backend path, eager and
 FULL-graph padded (CPU), but for what the simulator does not read

@@ -7,7 +7,7 @@ on sys.path) is compared with the UNPATCHED one, loaded from the installed
 stock file under another module name. On the CPU this runs the Triton
 kernels under ``TRITON_INTERPRET=1`` (the root conftest sets it where there
 is no NVIDIA driver); with CUDA, on the GPU. Without an installed stock vllm
-(the kernel-only machine) there is nothing to compare with: the ``stock``
+(the GPU tier's machine without vLLM) there is nothing to compare with: the ``stock``
 fixture skips.
 """
 
