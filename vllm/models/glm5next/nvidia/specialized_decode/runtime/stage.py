@@ -263,6 +263,20 @@ class KpoolStage:
     def fuse(self) -> bool:
         return bool(self.remaps)
 
+    # --- What its kernels ask (``host.KernelOwner``) ----------------------
+
+    def warmup_keys(self, kernel, vllm_config=None) -> list:
+        return self.warmup.keys(kernel, vllm_config)
+
+    def warm(self, kernel, compile_keys: list) -> None:
+        self.warmup.compiled(kernel, compile_keys)
+
+    def checked(self, compile_key):
+        """The executor a step launches for ``compile_key``: the one in the
+        warmup's last passing verdict (``executors``), else None (stock
+        runs). Every launch of the stage asks here."""
+        return self.executors.get(compile_key)
+
     # --- Launches ---------------------------------------------------------
 
     def upcast(self, logits: torch.Tensor, row_ends: torch.Tensor) -> torch.Tensor:
