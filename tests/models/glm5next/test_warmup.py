@@ -6,6 +6,7 @@ compiled and (unless "off") passed the self-check, and otherwise leaves it
 off and says so ("strict": raises) (CPU; the self-check itself is
 ``specialized_decode``'s to test)."""
 
+import dataclasses
 import json
 import logging
 import re
@@ -149,6 +150,48 @@ def test_self_check_seed_is_a_constant(monkeypatch, model, vllm_log):
     assert record.getMessage().endswith(
         f"(replay with {SELF_CHECK_SEED_ENV}={warmup.SEED})."
     )
+
+
+def test_a_later_compile_launches_only_once_checked(monkeypatch, model):
+    """The stage launches what its warmup's last verdict checked, a table of
+    its own: a later ``compile_many`` on one of its kernels (a key the first
+    verdict did not check) reaches no launch before its self-check, a
+    passing one gives the stage a new table with it, and a failing one
+    turns the whole stage off (the steps run stock)."""
+    stage, remap = model.stage, model.stage.kernels.remap
+    answers, launching = [None, None, "RemapKernel case 0 (seed 0) differs"], []
+
+    def check(executors, seed, device):
+        launching.append((set(executors), dict(stage.executors)))
+        return answers[len(launching) - 1]
+
+    monkeypatch.setattr(self_check, "check", check)
+    warm(stage, "on")
+    first = stage.executors
+    [key, *_] = remap.get_warmup_keys()
+    assert first and first is not stage.warmup.executors and stage.checked(key)
+    monkeypatch.setattr(type(remap), "executor", lambda self, key: Recorder())
+    later = dataclasses.replace(key, block_size=2 * key.block_size)
+    remap.compile_many([later])
+    checked, launched = launching[-1]
+    assert later in checked and later not in launched and launched == first
+    assert stage.executors is not first and set(stage.executors) == {*first, later}
+    assert stage.checked(later) is stage.warmup.executors[later]
+    remap.compile_many([dataclasses.replace(key, block_size=4 * key.block_size)])
+    assert stage.executors == {} and stage.checked(key) is None
+    got = model.run()
+    assert model.routes == ["indexer:expand", "stock:convert"]
+    assert_same(model.stock(), got, model.fwd)
+
+
+class Recorder:
+    """An executor that records its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
 
 
 def failing(monkeypatch):

@@ -227,6 +227,8 @@ class KpoolStage:
                 self.chunks = torch.empty(
                     (max_rows * parts, k), dtype=torch.int32, device=device
                 )
+        # The warmup's verdict: what it compiled and self-checked, replaced
+        # whole by each verdict (empty: the stage is off).
         self.executors: dict = {}
         self.kernels = StageKernels(
             UpdateKernel(self), ExpandKernel(self), RemapKernel(self),

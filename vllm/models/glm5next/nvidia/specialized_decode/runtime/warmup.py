@@ -121,19 +121,24 @@ class StageWarmup:
     stage's kernels is an entry (``register``) whose keys are this warmup's
     ``keys`` (from the deployment and the layers' bound caches, whose strides
     ``vllm_config`` alone does not give), compiled before CUDA graph capture
-    (``compiled``). Once every kernel with keys compiled, the self-check
-    (unless "off") runs each key on this GPU against its stock twin, and the
-    stage gets the executors only if every tensor-parallel rank passed.
+    (``compiled``) into the warmup's own table. Once every kernel with keys
+    compiled, the self-check (unless "off") runs each key on this GPU
+    against its stock twin, and the stage's executors become a copy of the
+    table only if every tensor-parallel rank passed, else none.
 
     The verdict is the stage's, not each kernel's: a stage launches only
     what its own warmup compiled and checked, one failing kernel turns the
-    stage off (stock, as a whole), and the ranks agree once."""
+    stage off (stock, as a whole), and the ranks agree once. A later compile
+    (another ``compile_many``) goes into the table, never straight to the
+    stage, and takes a new verdict over the whole table."""
 
     def __init__(self, stage, attentions, self_check: str = "on", seed=None):
         self.stage, self.attentions = stage, list(attentions)
         # The self-check's mode and seed (None: ``SEED``).
         self.self_check = self_check
         self.seed = SEED if seed is None else seed
+        # What this warmup compiled (key -> executor); the stage launches a
+        # copy once it passed.
         self.executors: dict = {}
         self.done: set = set()
         # The stage's kernels that have keys (traced once, at the first
@@ -172,11 +177,13 @@ class StageWarmup:
 
     def finish(self) -> None:
         """Self-checks the compiled keys (unless "off"), then the TP ranks
-        agree: the stage gets its executors on every rank or on none, and
-        each rank logs one line (a failing rank its own failure, the others
-        which ranks failed). "strict": a failure raises on every rank, once
-        the ranks agreed (so that none waits for one that left)."""
-        executors, problem, error, elapsed = self.executors, None, self.error, 0.0
+        agree: the stage's executors become those keys' on every rank or
+        none on any, and each rank logs one line (a failing rank its own
+        failure, the others which ranks failed). "strict": a failure raises
+        on every rank, once the ranks agreed (so that none waits for one
+        that left)."""
+        executors, problem, error = dict(self.executors), None, self.error
+        elapsed = 0.0
         if error is None and self.self_check != "off":
             try:
                 from .. import self_check
@@ -199,6 +206,8 @@ class StageWarmup:
                 )  # fmt: skip
             self.stage.executors = executors
             return
+        # Off, whatever an earlier verdict gave it.
+        self.stage.executors = {}
         line = self.failure(problem, error, failed, ranks)
         if self.self_check == "strict":
             raise error or RuntimeError(line)
