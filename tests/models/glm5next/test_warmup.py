@@ -7,6 +7,7 @@ off and says so ("strict": raises) (CPU; the self-check itself is
 ``specialized_decode``'s to test)."""
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -19,11 +20,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from indexer_sim import KERNELS, Step, assert_same, kernel_name
+from indexer_sim import KERNELS, Step, assert_same, kernel_name, twin
 
 from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 from vllm.models.glm5next.nvidia.specialized_decode import self_check
 from vllm.models.glm5next.nvidia.specialized_decode.config import SELF_CHECK_SEED_ENV
+from vllm.models.glm5next.nvidia.specialized_decode.constants import POOL
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.remap.launch import (
+    REMAP,
+)
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch import (
     SCORES,
 )
@@ -278,6 +283,55 @@ def _layer(width: int, page: int = 16, heads: int = 16):
     )
     mla = SimpleNamespace(mla_attn=SimpleNamespace(kv_cache=None))
     return SimpleNamespace(indexer=indexer, mla_attn=mla)
+
+
+def _fused_layer(pools: int, block: int = 64):
+    """``_layer`` of ``pools`` pools a row (its top-k tokens / 4), its MLA
+    cache bound as the fused remap reads it ([blocks, block, row])."""
+    layer = _layer(65536)
+    layer.indexer.topk_tokens = pools * POOL
+    kv = torch.zeros((3, block, 8), dtype=torch.uint8)
+    layer.mla_attn.mla_attn.kv_cache = kv
+    return layer
+
+
+def test_a_layer_the_remap_refuses_stays_on_stock(spies, monkeypatch, vllm_log):
+    """A fused stage of 512-pool layers and one of 500 pools (not a multiple
+    of 32: the remap refuses it, so its steps never defer): the warmup lists
+    the fused remap's keys (with and without counts) and the select's of the
+    512-pool layers alone, the expansion's of both; none of the remap for a
+    layer whose MLA cache blocks it refuses (62 tokens: its steps defer, run
+    the select and convert stock). The self-check takes every remap key it
+    lists (the stock twins' bytes, on the CPU), and the stage goes on."""
+    settings = dict(mx_scales=False, select=True, fuse=True, max_rows=8, sms=132)
+    settings |= dict(select_one_wave=False, scores=False, histogram=None)
+    stage = SimpleNamespace(
+        **settings, executors={}, pool_buffer=torch.zeros(1), kernels=[REMAP]
+    )
+    layers = [_fused_layer(512), _fused_layer(500), _fused_layer(512, block=62)]
+    layers.append(_fused_layer(512))
+    values = warmup.deployment_values(stage, layers)
+    assert [kernel for kernel, _ in values].count(SELECT) == 3
+    keys = {
+        kernel: [
+            key for k, v in values if k is kernel for key in k.get_warmup_keys(**v)
+        ]
+        for kernel in (REMAP, KERNELS["expand"])
+    }
+    remap = {(key.groups, key.block_size, key.counts) for key in keys[REMAP]}
+    assert remap == {(512, 64, True), (512, 64, False)}
+    assert {key.groups for key in keys[KERNELS["expand"]]} == {512, 500}
+    # Seed 2's case is one row (the stock conversion runs in Triton's
+    # interpreter here).
+    entry = StageWarmup(stage, layers, "on", seed=2)
+    monkeypatch.setattr(
+        type(REMAP), "executor", lambda self, key: functools.partial(twin, "remap", key)
+    )
+    monkeypatch.setattr(self_check, "CASES", 1)
+    entry.compiled(REMAP, entry.keys(REMAP))
+    assert set(stage.executors) == set(keys[REMAP])
+    [record] = warmup_lines(vllm_log)
+    assert "self-check passed" in record.getMessage()
 
 
 @pytest.mark.parametrize("select, fuse", [(False, True), (True, False)])

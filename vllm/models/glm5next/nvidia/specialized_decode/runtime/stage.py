@@ -20,9 +20,9 @@ from vllm.models.glm5next.nvidia.ops.kpool_compress import (
 from vllm.utils.deep_gemm import fp8_fp4_paged_mqa_logits
 
 from ..constants import MAX_GROUPS, POOL
-from ..cutedsl.common.host import STOCK, Refused
+from ..cutedsl.common.host import STOCK
 from ..cutedsl.expand.launch import ExpandKernel
-from ..cutedsl.remap.launch import RemapKernel, check_shape
+from ..cutedsl.remap.launch import RemapKernel, remap_takes
 from ..cutedsl.scores.launch import ScoresKernel, served_heads
 from ..cutedsl.select import launch as select_launch
 from ..cutedsl.select.fed import HISTOGRAM
@@ -347,11 +347,7 @@ class KpoolStage:
         top-k over: a fused layer, the stage's buffer, the remap's shapes."""
         if str(layer) not in self.remaps or rows > self.max_rows:
             return False
-        try:
-            check_shape(groups, width, pool_size, counts=True)
-        except Refused:
-            return False
-        return True
+        return remap_takes(groups, width, pool_size)
 
     def engagement(self, attentions) -> list[str]:
         """What a planned step runs on each DSA layer, and why not the rest."""

@@ -16,7 +16,7 @@ from vllm.utils.deep_gemm import native_next_n_supported
 from ..config import SELF_CHECK_SEED_ENV, STAGE
 from ..constants import POOL
 from ..cutedsl.expand.launch import EXPAND
-from ..cutedsl.remap.launch import REMAP
+from ..cutedsl.remap.launch import REMAP, remap_takes
 from ..cutedsl.scores.launch import BLOCKS, NEXT_N, SCORES, served_heads
 from ..cutedsl.select.launch import SELECT, fed_columns
 from ..cutedsl.upcast.launch import UPCAST
@@ -37,7 +37,9 @@ POSITIONS, SLOTS = torch.int64, torch.int64
 def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
     """(kernel, its ``get_warmup_keys`` values) for what a planned step of
     ``attentions`` launches: from the stage's settings and each layer's
-    bound caches and buffers."""
+    bound caches and buffers. The fused remap and the select run only in
+    steps that defer, so only for a layer whose shapes the remap takes (any
+    other runs stock there, the stage staying on)."""
     values: list[tuple[Any, dict]] = []
     for attn in attentions:
         indexer = attn.indexer
@@ -53,9 +55,11 @@ def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
         values.append((UPDATE, update))
         expand = dict(groups=groups, seq_lens_dtype=POSITIONS, int32_lengths=True)
         values.append((EXPAND, expand))
+        width = indexer.topk_indices_buffer.shape[1]
+        defers = stage.fuse and remap_takes(groups, width)
         layout = remap_layout(attn)
-        if stage.fuse and layout is not None:
-            remap = dict(groups=groups, width=indexer.topk_indices_buffer.shape[1])
+        if defers and layout is not None and remap_takes(groups, width, layout=layout):
+            remap = dict(groups=groups, width=width)
             remap |= dict(block_size=layout[0], stride_rows=layout[1])
             remap |= dict(positions_dtype=POSITIONS, int32_lengths=True)
             values.append((REMAP, remap | dict(counts=WarmupChoices(True, False))))
@@ -71,7 +75,7 @@ def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
         fed = fed and stage.fuse
         if stage.scores and not stage.mx_scales:
             values += scores_values(stage, indexer, kv, fed)
-        if stage.select and stage.fuse:
+        if stage.select and defers:
             select = dict(max_rows=stage.max_rows, one_wave_only=stage.select_one_wave)
             select |= dict(k=groups, dtype=logits, width=indexer.max_pool_len)
             select |= dict(fed=WarmupChoices(False, True) if fed else False)
