@@ -141,9 +141,11 @@ def test_warmup_self_check(monkeypatch, model, vllm_log, mode, problem, on, leve
         )
 
 
-def test_self_check_seed_is_a_constant(monkeypatch, model, vllm_log):
+def test_self_check_seed_is_a_constant(monkeypatch, model, vllm_log, ranks):
     """Without a seed to replay, the self-check's seed is ``SEED``, the same
-    in every process, printed on failure."""
+    in every process (each fresh rank process's self-check got this
+    process's), printed on failure."""
+    assert [ranks[rank][0]["seeds"] for rank in range(3)] == [[warmup.SEED]] * 3
     seeds = []
     monkeypatch.setattr(
         self_check, "check", lambda keys, seed, device: seeds.append(seed) or "bad"
@@ -425,44 +427,56 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_ranks() -> list[subprocess.Popen]:
-    """``warmup_ranks.py`` in 3 processes, one TP group over gloo on the CPU;
-    their output in files (a full pipe would stall a rank started early)."""
+def start_ranks(world: int = 3, tp: int = 3) -> list[subprocess.Popen]:
+    """``warmup_ranks.py`` in ``world`` processes, TP groups of ``tp`` over
+    gloo on the CPU (3: one TP group); their output in files (a full pipe
+    would stall a rank started early)."""
     port, script = free_port(), Path(__file__).with_name("warmup_ranks.py")
     runs = []
-    for rank in range(3):
+    for rank in range(world):
         # Closed by the fixture, once the rank ended.
         out = tempfile.TemporaryFile("w+")  # noqa: SIM115
         err = tempfile.TemporaryFile("w+")  # noqa: SIM115
-        command = [sys.executable, script, str(rank), "3", str(port)]
+        command = [sys.executable, script, str(rank), str(world), str(port), str(tp)]
         runs.append(subprocess.Popen(command, stdout=out, stderr=err, text=True))
         runs[-1].out, runs[-1].err = out, err
     return runs
 
 
 # The root conftest.py starts the ranks once collection is done (they take
-# a minute of CPU, mostly vLLM's import, three times).
-START_EARLY = {"ranks": start_ranks}
+# a minute of CPU, mostly vLLM's import, once a rank).
+START_EARLY = {"ranks": start_ranks, "group_ranks": lambda: start_ranks(4, 2)}
 STARTED: dict = {}
 
 
-@pytest.fixture(scope="module")
-def ranks(request, started):
+def lines_of(runs) -> dict:
     """Each rank's JSON line, by rank (at most 5 minutes, so that a rank that
     waits for one that left fails the test rather than hangs it)."""
-    runs = started(request.module, "ranks")
     found = {}
     try:
         for rank, run in enumerate(runs):
             run.wait(timeout=300)
             run.out.seek(0), run.err.seek(0)
             assert run.returncode == 0, run.err.read()[-3000:]
-            found[rank] = json.loads(run.out.read().strip().splitlines()[-1])["results"]
+            found[rank] = json.loads(run.out.read().strip().splitlines()[-1])
     finally:
         for run in runs:
             run.kill()
             run.out.close(), run.err.close()
     return found
+
+
+@pytest.fixture(scope="module")
+def ranks(request, started):
+    """Each rank's results of ``SCENARIOS``, by rank: 3 ranks, one TP group."""
+    found = lines_of(started(request.module, "ranks"))
+    return {rank: line["results"] for rank, line in found.items()}
+
+
+@pytest.fixture(scope="module")
+def group_ranks(request, started):
+    """Each rank's JSON line, by rank: 4 ranks, TP 2 x PP 2."""
+    return lines_of(started(request.module, "group_ranks"))
 
 
 def scenario(ranks, index: int) -> list[dict]:
@@ -537,3 +551,27 @@ def test_strict_raises_on_every_tp_rank_when_a_compile_fails(ranks):
     raised = [r["raised"] for r in scenario(ranks, 5)]
     assert raised[1] == "RuntimeError: no ptxas"
     assert all(OFF.format(1) in raised[rank] for rank in (0, 2))
+
+
+def test_each_tp_group_agrees_on_its_own(group_ranks):
+    """TP 2 x PP 2: the ranks agree over their own TP group's CPU group, not
+    the world: a failing rank turns the stage off in its TP group alone,
+    and the lines count that group's ranks (the world's gathers would pair
+    ranks of other groups, or size the exchange wrong)."""
+    assert [group_ranks[r]["group"] for r in range(4)] == [
+        [0, 1],
+        [0, 1],
+        [2, 3],
+        [2, 3],
+    ]
+    for index, failing, off in ((0, 1, (0, 1)), (1, 2, (2, 3))):
+        results = [group_ranks[r]["results"][index] for r in range(4)]
+        assert [r["raised"] for r in results] == [None] * 4
+        assert [r["on"] for r in results] == [r not in off for r in range(4)]
+        where = f"on every TP rank (failed: rank {failing % 2} of 2)"
+        for rank, result in enumerate(results):
+            [(level, line)] = result["lines"]
+            if rank in off:
+                assert level == "ERROR" and where in line
+            else:
+                assert level == "INFO" and line.endswith(" (all 2 TP ranks passed).")
