@@ -382,7 +382,7 @@ def test_install_warms_up_before_planning(installed, make_config, monkeypatch):
         stage = install.install(config, layers)
     assert list(registry._registrations) == list(stage.kernels)
     assert not stage.executors and not stage.planned()
-    assert all(kernel.stage is stage for kernel in stage.kernels)
+    assert all(kernel.owner is stage for kernel in stage.kernels)
     assert stage.warmup.self_check == "off" and stage.warmup.seed == 77
     registry.warmup()
     keys = [k for kernel in stage.kernels for k in kernel.get_warmup_keys(config)]

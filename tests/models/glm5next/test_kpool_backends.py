@@ -245,11 +245,12 @@ def steps_of(layout: str) -> list[Step]:
     ]
 
 
-@pytest.mark.parametrize("name", sorted(set(PATHS.values())))
+@pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_warmup_keys_are_the_launch_keys(bench, backend_path, name):
-    """For each path of the engagement matrix: the variants the stage's
-    warmup derives for the backend's layer (its kernels' ``get_warmup_keys``)
-    are, kernel by kernel, the variants its planned decode steps launch.
+    """For each backend (the engagement matrix's paths and FlashMLA's BF16
+    cache): the variants the stage's warmup derives for the backend's layer
+    (its kernels' ``get_warmup_keys``) are, kernel by kernel, the variants
+    its planned decode steps launch.
 
     The steps: uniform rows of 1 to 4 tokens (SM90 native, SM100 varlen:
     the update, the fused remap with the backend's counts), non-uniform ones
@@ -258,7 +259,7 @@ def test_warmup_keys_are_the_launch_keys(bench, backend_path, name):
     with SM100's BF16 logits only. One conversion asks the group for the
     other counts: the group takes either, and which one a FlashMLA
     deployment asks for depends on its KV cache dtype and heads, which the
-    stage does not read, so both are compiled."""
+    stage does not read, so both are compiled, for every backend."""
     path = backend_path(name)
     layout = "varlen" if path.mx else "native"
     backend = Backend(path.cls, path.fp8, **path.attributes)
@@ -268,6 +269,7 @@ def test_warmup_keys_are_the_launch_keys(bench, backend_path, name):
         for key in kernel.get_warmup_keys():
             derived[kernel_name(key)].add(key)
     assert b.spies.compiled == derived
+    assert {key.counts for key in derived["remap"]} == {True, False}
     stock = Backend(path.cls, path.fp8, **path.attributes)
     for step in steps_of(layout):
         b.use(step)

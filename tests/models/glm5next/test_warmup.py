@@ -6,6 +6,8 @@ compiled and (unless "off") passed the self-check, and otherwise leaves it
 off and says so ("strict": raises) (CPU; the self-check itself is
 ``specialized_decode``'s to test)."""
 
+import dataclasses
+import functools
 import json
 import logging
 import re
@@ -18,11 +20,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from indexer_sim import KERNELS, Step, assert_same, kernel_name
+from indexer_sim import KERNELS, Step, assert_same, kernel_name, twin
 
 from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 from vllm.models.glm5next.nvidia.specialized_decode import self_check
 from vllm.models.glm5next.nvidia.specialized_decode.config import SELF_CHECK_SEED_ENV
+from vllm.models.glm5next.nvidia.specialized_decode.constants import POOL
+from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.remap.launch import (
+    REMAP,
+)
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch import (
     SCORES,
 )
@@ -135,9 +141,11 @@ def test_warmup_self_check(monkeypatch, model, vllm_log, mode, problem, on, leve
         )
 
 
-def test_self_check_seed_is_a_constant(monkeypatch, model, vllm_log):
+def test_self_check_seed_is_a_constant(monkeypatch, model, vllm_log, ranks):
     """Without a seed to replay, the self-check's seed is ``SEED``, the same
-    in every process, printed on failure."""
+    in every process (each fresh rank process's self-check got this
+    process's), printed on failure."""
+    assert [ranks[rank][0]["seeds"] for rank in range(3)] == [[warmup.SEED]] * 3
     seeds = []
     monkeypatch.setattr(
         self_check, "check", lambda keys, seed, device: seeds.append(seed) or "bad"
@@ -149,6 +157,48 @@ def test_self_check_seed_is_a_constant(monkeypatch, model, vllm_log):
     assert record.getMessage().endswith(
         f"(replay with {SELF_CHECK_SEED_ENV}={warmup.SEED})."
     )
+
+
+def test_a_later_compile_launches_only_once_checked(monkeypatch, model):
+    """The stage launches what its warmup's last verdict checked, a table of
+    its own: a later ``compile_many`` on one of its kernels (a key the first
+    verdict did not check) reaches no launch before its self-check, a
+    passing one gives the stage a new table with it, and a failing one
+    turns the whole stage off (the steps run stock)."""
+    stage, remap = model.stage, model.stage.kernels.remap
+    answers, launching = [None, None, "RemapKernel case 0 (seed 0) differs"], []
+
+    def check(executors, seed, device):
+        launching.append((set(executors), dict(stage.executors)))
+        return answers[len(launching) - 1]
+
+    monkeypatch.setattr(self_check, "check", check)
+    warm(stage, "on")
+    first = stage.executors
+    [key, *_] = remap.get_warmup_keys()
+    assert first and first is not stage.warmup.executors and stage.checked(key)
+    monkeypatch.setattr(type(remap), "executor", lambda self, key: Recorder())
+    later = dataclasses.replace(key, block_size=2 * key.block_size)
+    remap.compile_many([later])
+    checked, launched = launching[-1]
+    assert later in checked and later not in launched and launched == first
+    assert stage.executors is not first and set(stage.executors) == {*first, later}
+    assert stage.checked(later) is stage.warmup.executors[later]
+    remap.compile_many([dataclasses.replace(key, block_size=4 * key.block_size)])
+    assert stage.executors == {} and stage.checked(key) is None
+    got = model.run()
+    assert model.routes == ["indexer:expand", "stock:convert"]
+    assert_same(model.stock(), got, model.fwd)
+
+
+class Recorder:
+    """An executor that records its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
 
 
 def failing(monkeypatch):
@@ -235,6 +285,55 @@ def _layer(width: int, page: int = 16, heads: int = 16):
     )
     mla = SimpleNamespace(mla_attn=SimpleNamespace(kv_cache=None))
     return SimpleNamespace(indexer=indexer, mla_attn=mla)
+
+
+def _fused_layer(pools: int, block: int = 64):
+    """``_layer`` of ``pools`` pools a row (its top-k tokens / 4), its MLA
+    cache bound as the fused remap reads it ([blocks, block, row])."""
+    layer = _layer(65536)
+    layer.indexer.topk_tokens = pools * POOL
+    kv = torch.zeros((3, block, 8), dtype=torch.uint8)
+    layer.mla_attn.mla_attn.kv_cache = kv
+    return layer
+
+
+def test_a_layer_the_remap_refuses_stays_on_stock(spies, monkeypatch, vllm_log):
+    """A fused stage of 512-pool layers and one of 500 pools (not a multiple
+    of 32: the remap refuses it, so its steps never defer): the warmup lists
+    the fused remap's keys (with and without counts) and the select's of the
+    512-pool layers alone, the expansion's of both; none of the remap for a
+    layer whose MLA cache blocks it refuses (62 tokens: its steps defer, run
+    the select and convert stock). The self-check takes every remap key it
+    lists (the stock twins' bytes, on the CPU), and the stage goes on."""
+    settings = dict(mx_scales=False, select=True, fuse=True, max_rows=8, sms=132)
+    settings |= dict(select_one_wave=False, scores=False, histogram=None)
+    stage = SimpleNamespace(
+        **settings, executors={}, pool_buffer=torch.zeros(1), kernels=[REMAP]
+    )
+    layers = [_fused_layer(512), _fused_layer(500), _fused_layer(512, block=62)]
+    layers.append(_fused_layer(512))
+    values = warmup.deployment_values(stage, layers)
+    assert [kernel for kernel, _ in values].count(SELECT) == 3
+    keys = {
+        kernel: [
+            key for k, v in values if k is kernel for key in k.get_warmup_keys(**v)
+        ]
+        for kernel in (REMAP, KERNELS["expand"])
+    }
+    remap = {(key.groups, key.block_size, key.counts) for key in keys[REMAP]}
+    assert remap == {(512, 64, True), (512, 64, False)}
+    assert {key.groups for key in keys[KERNELS["expand"]]} == {512, 500}
+    # Seed 2's case is one row (the stock conversion runs in Triton's
+    # interpreter here).
+    entry = StageWarmup(stage, layers, "on", seed=2)
+    monkeypatch.setattr(
+        type(REMAP), "executor", lambda self, key: functools.partial(twin, "remap", key)
+    )
+    monkeypatch.setattr(self_check, "CASES", 1)
+    entry.compiled(REMAP, entry.keys(REMAP))
+    assert set(stage.executors) == set(keys[REMAP])
+    [record] = warmup_lines(vllm_log)
+    assert "self-check passed" in record.getMessage()
 
 
 @pytest.mark.parametrize("select, fuse", [(False, True), (True, False)])
@@ -328,44 +427,56 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_ranks() -> list[subprocess.Popen]:
-    """``warmup_ranks.py`` in 3 processes, one TP group over gloo on the CPU;
-    their output in files (a full pipe would stall a rank started early)."""
+def start_ranks(world: int = 3, tp: int = 3) -> list[subprocess.Popen]:
+    """``warmup_ranks.py`` in ``world`` processes, TP groups of ``tp`` over
+    gloo on the CPU (3: one TP group); their output in files (a full pipe
+    would stall a rank started early)."""
     port, script = free_port(), Path(__file__).with_name("warmup_ranks.py")
     runs = []
-    for rank in range(3):
+    for rank in range(world):
         # Closed by the fixture, once the rank ended.
         out = tempfile.TemporaryFile("w+")  # noqa: SIM115
         err = tempfile.TemporaryFile("w+")  # noqa: SIM115
-        command = [sys.executable, script, str(rank), "3", str(port)]
+        command = [sys.executable, script, str(rank), str(world), str(port), str(tp)]
         runs.append(subprocess.Popen(command, stdout=out, stderr=err, text=True))
         runs[-1].out, runs[-1].err = out, err
     return runs
 
 
 # The root conftest.py starts the ranks once collection is done (they take
-# a minute of CPU, mostly vLLM's import, three times).
-START_EARLY = {"ranks": start_ranks}
+# a minute of CPU, mostly vLLM's import, once a rank).
+START_EARLY = {"ranks": start_ranks, "group_ranks": lambda: start_ranks(4, 2)}
 STARTED: dict = {}
 
 
-@pytest.fixture(scope="module")
-def ranks(request, started):
+def lines_of(runs) -> dict:
     """Each rank's JSON line, by rank (at most 5 minutes, so that a rank that
     waits for one that left fails the test rather than hangs it)."""
-    runs = started(request.module, "ranks")
     found = {}
     try:
         for rank, run in enumerate(runs):
             run.wait(timeout=300)
             run.out.seek(0), run.err.seek(0)
             assert run.returncode == 0, run.err.read()[-3000:]
-            found[rank] = json.loads(run.out.read().strip().splitlines()[-1])["results"]
+            found[rank] = json.loads(run.out.read().strip().splitlines()[-1])
     finally:
         for run in runs:
             run.kill()
             run.out.close(), run.err.close()
     return found
+
+
+@pytest.fixture(scope="module")
+def ranks(request, started):
+    """Each rank's results of ``SCENARIOS``, by rank: 3 ranks, one TP group."""
+    found = lines_of(started(request.module, "ranks"))
+    return {rank: line["results"] for rank, line in found.items()}
+
+
+@pytest.fixture(scope="module")
+def group_ranks(request, started):
+    """Each rank's JSON line, by rank: 4 ranks, TP 2 x PP 2."""
+    return lines_of(started(request.module, "group_ranks"))
 
 
 def scenario(ranks, index: int) -> list[dict]:
@@ -440,3 +551,27 @@ def test_strict_raises_on_every_tp_rank_when_a_compile_fails(ranks):
     raised = [r["raised"] for r in scenario(ranks, 5)]
     assert raised[1] == "RuntimeError: no ptxas"
     assert all(OFF.format(1) in raised[rank] for rank in (0, 2))
+
+
+def test_each_tp_group_agrees_on_its_own(group_ranks):
+    """TP 2 x PP 2: the ranks agree over their own TP group's CPU group, not
+    the world: a failing rank turns the stage off in its TP group alone,
+    and the lines count that group's ranks (the world's gathers would pair
+    ranks of other groups, or size the exchange wrong)."""
+    assert [group_ranks[r]["group"] for r in range(4)] == [
+        [0, 1],
+        [0, 1],
+        [2, 3],
+        [2, 3],
+    ]
+    for index, failing, off in ((0, 1, (0, 1)), (1, 2, (2, 3))):
+        results = [group_ranks[r]["results"][index] for r in range(4)]
+        assert [r["raised"] for r in results] == [None] * 4
+        assert [r["on"] for r in results] == [r not in off for r in range(4)]
+        where = f"on every TP rank (failed: rank {failing % 2} of 2)"
+        for rank, result in enumerate(results):
+            [(level, line)] = result["lines"]
+            if rank in off:
+                assert level == "ERROR" and where in line
+            else:
+                assert level == "INFO" and line.endswith(" (all 2 TP ranks passed).")

@@ -1,16 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""One tensor-parallel rank of ``test_warmup.py``'s multi-process warmups:
-vLLM's distributed state on the CPU (gloo, ``world`` ranks, one TP group),
-then one ``StageWarmup.compiled`` per scenario of ``SCENARIOS`` in
-order, each on a stage of its own. A scenario gives each rank's verdict at
-the self-check's seam (``self_check.check``, which needs a GPU) or makes a
-rank's compile raise. Prints one JSON line: per scenario, whether the stage
-got its executors, its warmup log lines and what it raised.
+"""One rank of ``test_warmup.py``'s multi-process warmups: vLLM's
+distributed state on the CPU (gloo, ``world`` ranks in TP groups of ``tp``,
+pipeline stages of the rest), then one ``StageWarmup.compiled`` per
+scenario in order (``SCENARIOS``, or ``GROUP_SCENARIOS`` where the world
+holds more than one TP group), each on a stage of its own. A scenario
+gives each rank's verdict at the self-check's seam (``self_check.check``,
+which needs a GPU) or makes a rank's compile raise. Prints one JSON line:
+the rank's TP group, and per scenario whether the stage got its
+executors, its warmup log lines, what it raised and the seed its
+self-check was given.
 
-Run as ``python warmup_ranks.py RANK WORLD PORT`` (the patched vLLM on
-``PYTHONPATH``, as the tests' conftest.py exports it). ``cpu_ranks`` is
-also the conftest's ``one_cpu_rank``."""
+Run as ``python warmup_ranks.py RANK WORLD PORT [TP]`` (TP: the world
+unless given; the patched vLLM on ``PYTHONPATH``, as the tests' conftest.py
+exports it). ``cpu_ranks`` is also the conftest's ``one_cpu_rank``."""
 
 import contextlib
 import json
@@ -29,6 +32,11 @@ SCENARIOS = (
     ("off", (1,), ()),
     ("strict", (), (1,)),
 )
+# TP 2 x PP 2 (TP groups: ranks 0, 1 and 2, 3): a failure in one TP group.
+GROUP_SCENARIOS = (
+    ("on", (1,), ()),
+    ("on", (2,), ()),
+)
 
 
 class Lines(logging.Handler):
@@ -44,7 +52,10 @@ def run(rank: int, mode: str, fails, raises) -> dict:
     from vllm.models.glm5next.nvidia.specialized_decode import self_check
     from vllm.models.glm5next.nvidia.specialized_decode.runtime import warmup
 
+    seeds = []
+
     def check(executors, seed, device):
+        seeds.append(seed)
         if rank in fails:
             return f"UpcastKernel case 3 (seed {seed + 3}) differs from stock: key"
         return None
@@ -69,13 +80,16 @@ def run(rank: int, mode: str, fails, raises) -> dict:
     except Exception as error:
         raised = f"{type(error).__name__}: {error}"
     logger.removeHandler(lines)
-    return dict(on=bool(stage.executors), lines=lines.lines, raised=raised)
+    on = bool(stage.executors)
+    return dict(on=on, lines=lines.lines, raised=raised, seeds=seeds)
 
 
 @contextlib.contextmanager
-def cpu_ranks(world: int, rank: int, init_method: str):
+def cpu_ranks(world: int, rank: int, init_method: str, tp: int | None = None):
     """vLLM's distributed environment and model parallel groups over
-    ``world`` CPU processes (gloo), one TP group of all; torn down after."""
+    ``world`` CPU processes (gloo), TP groups of ``tp`` (None: one of all)
+    and the pipeline parallel size the rest; torn down after."""
+    tp = world if tp is None else tp
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
 
@@ -83,7 +97,9 @@ def cpu_ranks(world: int, rank: int, init_method: str):
         parallel_state.init_distributed_environment(
             world, rank, init_method, local_rank=rank, backend="gloo"
         )
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=world // tp
+        )
     try:
         yield
     finally:
@@ -91,11 +107,15 @@ def cpu_ranks(world: int, rank: int, init_method: str):
         parallel_state.destroy_distributed_environment()
 
 
-def main(rank: int, world: int, port: int) -> None:
-    with cpu_ranks(world, rank, f"tcp://127.0.0.1:{port}"):
-        results = [run(rank, *scenario) for scenario in SCENARIOS]
-        print(json.dumps(dict(rank=rank, results=results)), flush=True)
+def main(rank: int, world: int, port: int, tp: int | None = None) -> None:
+    from vllm.distributed import get_tp_group
+
+    scenarios = SCENARIOS if tp in (None, world) else GROUP_SCENARIOS
+    with cpu_ranks(world, rank, f"tcp://127.0.0.1:{port}", tp):
+        group = get_tp_group().ranks
+        results = [run(rank, *scenario) for scenario in scenarios]
+        print(json.dumps(dict(rank=rank, group=group, results=results)), flush=True)
 
 
 if __name__ == "__main__":
-    main(*map(int, sys.argv[1:4]))
+    main(*map(int, sys.argv[1:]))

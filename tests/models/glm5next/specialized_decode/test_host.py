@@ -307,7 +307,7 @@ def test_stage_launches_only_its_own_executors(compiles, kernel):
 def of_stage(stage, kernel):
     """``stage``'s own instance of ``kernel``."""
     [mine] = [k for k in stage.kernels if type(k) is type(kernel)]
-    assert mine is not kernel and mine.stage is stage
+    assert mine is not kernel and mine.owner is stage
     return mine
 
 

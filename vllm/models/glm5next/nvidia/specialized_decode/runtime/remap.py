@@ -147,7 +147,7 @@ class FusedRemap:
             spec = kernel.spec(**arguments)
         except Refused:
             return None
-        if spec[0] not in self.stage.executors:
+        if self.stage.checked(spec[0]) is None:
             return None
         compute_stream = current_stream()
         if not in_piecewise_cudagraph():

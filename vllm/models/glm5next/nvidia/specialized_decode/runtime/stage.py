@@ -20,9 +20,9 @@ from vllm.models.glm5next.nvidia.ops.kpool_compress import (
 from vllm.utils.deep_gemm import fp8_fp4_paged_mqa_logits
 
 from ..constants import MAX_GROUPS, POOL
-from ..cutedsl.common.host import STOCK, Refused
+from ..cutedsl.common.host import STOCK
 from ..cutedsl.expand.launch import ExpandKernel
-from ..cutedsl.remap.launch import RemapKernel, check_shape
+from ..cutedsl.remap.launch import RemapKernel, remap_takes
 from ..cutedsl.scores.launch import ScoresKernel, served_heads
 from ..cutedsl.select import launch as select_launch
 from ..cutedsl.select.fed import HISTOGRAM
@@ -227,6 +227,8 @@ class KpoolStage:
                 self.chunks = torch.empty(
                     (max_rows * parts, k), dtype=torch.int32, device=device
                 )
+        # The warmup's verdict: what it compiled and self-checked, replaced
+        # whole by each verdict (empty: the stage is off).
         self.executors: dict = {}
         self.kernels = StageKernels(
             UpdateKernel(self), ExpandKernel(self), RemapKernel(self),
@@ -262,6 +264,20 @@ class KpoolStage:
     @property
     def fuse(self) -> bool:
         return bool(self.remaps)
+
+    # --- What its kernels ask (``host.KernelOwner``) ----------------------
+
+    def warmup_keys(self, kernel, vllm_config=None) -> list:
+        return self.warmup.keys(kernel, vllm_config)
+
+    def warm(self, kernel, compile_keys: list) -> None:
+        self.warmup.compiled(kernel, compile_keys)
+
+    def checked(self, compile_key):
+        """The executor a step launches for ``compile_key``: the one in the
+        warmup's last passing verdict (``executors``), else None (stock
+        runs). Every launch of the stage asks here."""
+        return self.executors.get(compile_key)
 
     # --- Launches ---------------------------------------------------------
 
@@ -331,11 +347,7 @@ class KpoolStage:
         top-k over: a fused layer, the stage's buffer, the remap's shapes."""
         if str(layer) not in self.remaps or rows > self.max_rows:
             return False
-        try:
-            check_shape(groups, width, pool_size, counts=True)
-        except Refused:
-            return False
-        return True
+        return remap_takes(groups, width, pool_size)
 
     def engagement(self, attentions) -> list[str]:
         """What a planned step runs on each DSA layer, and why not the rest."""

@@ -16,7 +16,7 @@ from vllm.utils.deep_gemm import native_next_n_supported
 from ..config import SELF_CHECK_SEED_ENV, STAGE
 from ..constants import POOL
 from ..cutedsl.expand.launch import EXPAND
-from ..cutedsl.remap.launch import REMAP
+from ..cutedsl.remap.launch import REMAP, remap_takes
 from ..cutedsl.scores.launch import BLOCKS, NEXT_N, SCORES, served_heads
 from ..cutedsl.select.launch import SELECT, fed_columns
 from ..cutedsl.upcast.launch import UPCAST
@@ -37,7 +37,9 @@ POSITIONS, SLOTS = torch.int64, torch.int64
 def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
     """(kernel, its ``get_warmup_keys`` values) for what a planned step of
     ``attentions`` launches: from the stage's settings and each layer's
-    bound caches and buffers."""
+    bound caches and buffers. The fused remap and the select run only in
+    steps that defer, so only for a layer whose shapes the remap takes (any
+    other runs stock there, the stage staying on)."""
     values: list[tuple[Any, dict]] = []
     for attn in attentions:
         indexer = attn.indexer
@@ -53,9 +55,11 @@ def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
         values.append((UPDATE, update))
         expand = dict(groups=groups, seq_lens_dtype=POSITIONS, int32_lengths=True)
         values.append((EXPAND, expand))
+        width = indexer.topk_indices_buffer.shape[1]
+        defers = stage.fuse and remap_takes(groups, width)
         layout = remap_layout(attn)
-        if stage.fuse and layout is not None:
-            remap = dict(groups=groups, width=indexer.topk_indices_buffer.shape[1])
+        if defers and layout is not None and remap_takes(groups, width, layout=layout):
+            remap = dict(groups=groups, width=width)
             remap |= dict(block_size=layout[0], stride_rows=layout[1])
             remap |= dict(positions_dtype=POSITIONS, int32_lengths=True)
             values.append((REMAP, remap | dict(counts=WarmupChoices(True, False))))
@@ -71,7 +75,7 @@ def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
         fed = fed and stage.fuse
         if stage.scores and not stage.mx_scales:
             values += scores_values(stage, indexer, kv, fed)
-        if stage.select and stage.fuse:
+        if stage.select and defers:
             select = dict(max_rows=stage.max_rows, one_wave_only=stage.select_one_wave)
             select |= dict(k=groups, dtype=logits, width=indexer.max_pool_len)
             select |= dict(fed=WarmupChoices(False, True) if fed else False)
@@ -121,19 +125,24 @@ class StageWarmup:
     stage's kernels is an entry (``register``) whose keys are this warmup's
     ``keys`` (from the deployment and the layers' bound caches, whose strides
     ``vllm_config`` alone does not give), compiled before CUDA graph capture
-    (``compiled``). Once every kernel with keys compiled, the self-check
-    (unless "off") runs each key on this GPU against its stock twin, and the
-    stage gets the executors only if every tensor-parallel rank passed.
+    (``compiled``) into the warmup's own table. Once every kernel with keys
+    compiled, the self-check (unless "off") runs each key on this GPU
+    against its stock twin, and the stage's executors become a copy of the
+    table only if every tensor-parallel rank passed, else none.
 
     The verdict is the stage's, not each kernel's: a stage launches only
     what its own warmup compiled and checked, one failing kernel turns the
-    stage off (stock, as a whole), and the ranks agree once."""
+    stage off (stock, as a whole), and the ranks agree once. A later compile
+    (another ``compile_many``) goes into the table, never straight to the
+    stage, and takes a new verdict over the whole table."""
 
     def __init__(self, stage, attentions, self_check: str = "on", seed=None):
         self.stage, self.attentions = stage, list(attentions)
         # The self-check's mode and seed (None: ``SEED``).
         self.self_check = self_check
         self.seed = SEED if seed is None else seed
+        # What this warmup compiled (key -> executor); the stage launches a
+        # copy once it passed.
         self.executors: dict = {}
         self.done: set = set()
         # The stage's kernels that have keys (traced once, at the first
@@ -172,11 +181,13 @@ class StageWarmup:
 
     def finish(self) -> None:
         """Self-checks the compiled keys (unless "off"), then the TP ranks
-        agree: the stage gets its executors on every rank or on none, and
-        each rank logs one line (a failing rank its own failure, the others
-        which ranks failed). "strict": a failure raises on every rank, once
-        the ranks agreed (so that none waits for one that left)."""
-        executors, problem, error, elapsed = self.executors, None, self.error, 0.0
+        agree: the stage's executors become those keys' on every rank or
+        none on any, and each rank logs one line (a failing rank its own
+        failure, the others which ranks failed). "strict": a failure raises
+        on every rank, once the ranks agreed (so that none waits for one
+        that left)."""
+        executors, problem, error = dict(self.executors), None, self.error
+        elapsed = 0.0
         if error is None and self.self_check != "off":
             try:
                 from .. import self_check
@@ -199,6 +210,8 @@ class StageWarmup:
                 )  # fmt: skip
             self.stage.executors = executors
             return
+        # Off, whatever an earlier verdict gave it.
+        self.stage.executors = {}
         line = self.failure(problem, error, failed, ranks)
         if self.self_check == "strict":
             raise error or RuntimeError(line)

@@ -5,7 +5,8 @@ kernel with the launch spec apart from the launch, the refusal of an input a
 kernel does not take, and the fake tensors a key compiles on."""
 
 import functools
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8
@@ -96,19 +97,33 @@ def check_vector(name: str, tensor, rows: int, expected: str, dtypes=INDEX_TYPES
         raise mismatch(name, expected, layout(tensor))
 
 
+class KernelOwner(Protocol):
+    """All a kernel instance of an owner (a stage) knows of it: the keys the
+    owner's warmup lists for the kernel, the keys vLLM's JIT warmup asks to
+    compile (the owner compiles and self-checks them), and the executor the
+    owner's verdict launches for a key (None: the caller runs stock)."""
+
+    def warmup_keys(self, kernel: "KpoolKernel", vllm_config: Any) -> list: ...
+
+    def warm(self, kernel: "KpoolKernel", compile_keys: list) -> None: ...
+
+    def checked(self, compile_key: Any) -> Callable | None: ...
+
+
 class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
     """A kpool decode kernel in vLLM's CuTe DSL protocol. ``spec(**arguments)``
     checks the arguments against the kernel's rule (raising ``Refused``) and
     returns ``(compile key, executor arguments or None where there is
     nothing to compute, output)``; ``__call__`` is ``kernel_launcher(spec)``.
 
-    The module's instance (``stage`` None) serves the public functions: it
-    compiles a missing key (never inside a CUDA graph capture). A stage's
-    instance launches only the executors its stage's warmup compiled and
-    checked; for any other key, and for arguments its rule refuses
-    (``serve``), it launches nothing and returns ``STOCK``: the caller runs
-    the stock kernel. All instances of a kernel share the compiled executors
-    (a compile is a function of its key alone)."""
+    The module's instance (``owner`` None) serves the public functions: it
+    compiles a missing key (never inside a CUDA graph capture). An owner's
+    instance (a stage's, ``KernelOwner``) launches only the executors its
+    owner's verdict holds (``checked``); for any other key, and for
+    arguments its rule refuses (``serve``), it launches nothing and returns
+    ``STOCK``: the caller runs the stock kernel. All instances of a kernel
+    share the compiled executors (a compile is a function of its key
+    alone)."""
 
     compiled: dict
 
@@ -116,10 +131,10 @@ class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
         super().__init_subclass__(**kwargs)
         cls.compiled = {}
 
-    def __init__(self, stage=None):
+    def __init__(self, owner: KernelOwner | None = None):
         super().__init__()
         self._compiled_cache = type(self).compiled
-        self.stage = stage
+        self.owner = owner
 
     def dispatch(self, **fields) -> CompileKeyT:
         """The compile key of a call whose spec derived ``fields`` from its
@@ -129,10 +144,10 @@ class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
     def get_warmup_keys(self, vllm_config=None, **dispatch_values) -> list:
         """The keys of every combination of ``dispatch_values`` (each a value,
         a ``WarmupChoices`` or a ``WarmupIntRange``; ``_when`` a predicate),
-        as vLLM's JIT warmup traces ``dispatch``. A stage's instance, given
-        none: the keys a planned step of its stage can launch."""
-        if self.stage is not None and not dispatch_values:
-            return self.stage.warmup.keys(self, vllm_config)
+        as vLLM's JIT warmup traces ``dispatch``. An owner's instance, given
+        none: the keys its owner's warmup lists."""
+        if self.owner is not None and not dispatch_values:
+            return self.owner.warmup_keys(self, vllm_config)
         return self._trace_dispatch(self.dispatch)(**dispatch_values)
 
     def compile(self, compile_key: CompileKeyT) -> None:
@@ -146,12 +161,11 @@ class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
         super().compile(compile_key)
 
     def compile_many(self, compile_keys) -> None:
-        """Compiles ``compile_keys``; a stage's instance then hands them to
-        its stage's warmup (which self-checks them once the stage's every
-        kernel compiled)."""
-        if self.stage is None:
+        """Compiles ``compile_keys``; an owner's instance hands them to its
+        owner, whose warmup compiles and self-checks them."""
+        if self.owner is None:
             return super().compile_many(compile_keys)
-        self.stage.warmup.compiled(self, list(compile_keys))
+        self.owner.warm(self, list(compile_keys))
 
     def executor(self, compile_key: CompileKeyT):
         """The compiled executor of ``compile_key``, compiled here if
@@ -160,8 +174,8 @@ class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
 
     def launch(self, launch_spec, _inputs):
         compile_key, args, out = launch_spec
-        if self.stage is not None:
-            executor = self.stage.executors.get(compile_key)
+        if self.owner is not None:
+            executor = self.owner.checked(compile_key)
             if executor is None:
                 return STOCK
         elif args is not None:
@@ -171,8 +185,8 @@ class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
         return out
 
     def serve(self, *args, **kwargs):
-        """A stage's launch: the kernel's output, or ``STOCK`` where its rule
-        refuses the arguments or its stage's warmup did not check their key
+        """An owner's launch: the kernel's output, or ``STOCK`` where its rule
+        refuses the arguments or its owner's verdict does not hold their key
         (the caller runs the stock kernel)."""
         try:
             return self(*args, **kwargs)

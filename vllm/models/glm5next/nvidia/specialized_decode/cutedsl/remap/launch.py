@@ -11,6 +11,7 @@ from cutlass import Int32
 from ...constants import INT32_MAX, MAX_GROUPS, POOL
 from ..common.host import (
     KpoolKernel,
+    Refused,
     check_devices,
     check_int32,
     check_pool_ids,
@@ -50,6 +51,32 @@ def check_shape(groups: int, width: int, pool_size: int, counts: bool) -> None:
         raise mismatch("out", expected + "order (at most 4096)", width)
 
 
+def check_blocks(block_size, stride_rows) -> None:
+    """What ``ExpandRemap`` takes of an MLA KV cache's layout (raises
+    ``Refused``): its block arithmetic is int32 (``block_size`` is a power
+    of two or a multiple of 4 that the MLA cache takes)."""
+    if (
+        not isinstance(block_size, int) or block_size % POOL
+        or not 0 < block_size <= INT32_MAX
+    ):  # fmt: skip
+        raise mismatch("block_size", "a positive int32 multiple of 4", block_size)
+    check_int32("stride_rows", stride_rows)
+
+
+def remap_takes(groups: int, width: int, pool_size: int = POOL, layout=None):
+    """Whether ``ExpandRemap`` takes a pool top-k of ``groups`` pools for
+    rows of ``width`` columns, with counts (and so without): a stage's step
+    defers only such a top-k; and, where given, an MLA cache ``layout``
+    (block size, rows between blocks)."""
+    try:
+        check_shape(groups, width, pool_size, counts=True)
+        if layout is not None:
+            check_blocks(*layout)
+    except Refused:
+        return False
+    return True
+
+
 def check(
     pool_ids, positions, pool_size, req_ids, block_table, out, counts, block_size,
     stride_rows, seq_offset,
@@ -72,14 +99,7 @@ def check(
         expected = "a contiguous 16-byte aligned int32 [rows of req_ids, width]"
         raise mismatch("out", expected, layout(out))
     check_shape(pool_ids.shape[1], size[1], pool_size, counts is not None)
-    # The kernel's block arithmetic is int32 (block_size is a power of two
-    # or a multiple of 4 that the MLA cache takes).
-    if (
-        not isinstance(block_size, int) or block_size % POOL
-        or not 0 < block_size <= INT32_MAX
-    ):  # fmt: skip
-        raise mismatch("block_size", "a positive int32 multiple of 4", block_size)
-    check_int32("stride_rows", stride_rows)
+    check_blocks(block_size, stride_rows)
     if counts is not None:
         expected = "int32 [>= rows of req_ids], unit stride"
         check_vector("counts", counts, rows, expected, (torch.int32,))
