@@ -50,7 +50,6 @@ SHARES = {"relu 0%": 0.0, "relu 0.1%": 0.001, "relu 1%": 0.01, "relu 50%": 0.5}
 K = types.SimpleNamespace()  # the kernels, stock and ours (``load_kernels``)
 
 
-# fmt: off
 @dataclass(frozen=True)
 class Plan:
     rows: tuple = (1, 8, 32, 64, 128, 256)
@@ -70,33 +69,56 @@ class Plan:
 
 
 QUICK = Plan(
-    rows=(1, 64, 256), tokens=(1,), upcast_rows=(1, 64, 256), widths=(65536, 262144),
-    select_rows=((1, 1), (1, 64), (4, 256)), ends=("full", "random"),
-    relu_widths=(262144,), step_rows=(1, 64), step_next_n=(1,), step_pools=(65536,),
-    rep_ms=2.0, eager_calls=30, eager_repeats=5,
+    rows=(1, 64, 256),
+    tokens=(1,),
+    upcast_rows=(1, 64, 256),
+    widths=(65536, 262144),
+    select_rows=((1, 1), (1, 64), (4, 256)),
+    ends=("full", "random"),
+    relu_widths=(262144,),
+    step_rows=(1, 64),
+    step_next_n=(1,),
+    step_pools=(65536,),
+    rep_ms=2.0,
+    eager_calls=30,
+    eager_repeats=5,
 )
 
 
 def cases(plan: Plan) -> list[dict]:
     """Each case's fields; a select row's context says next_n where not 1."""
     P, rows = itertools.product, plan.rows
-    out = [dict(case="update", scales=s, rows=r, tokens=t)
-           for s, t, r in P(("mx", "fp32"), plan.tokens, rows)]
-    out += [dict(case="upcast", ends=e, rows=r, width=w)
-            for e, w, r in P(plan.ends, plan.widths, plan.upcast_rows)]
+    out = [
+        dict(case="update", scales=s, rows=r, tokens=t)
+        for s, t, r in P(("mx", "fp32"), plan.tokens, rows)
+    ]
+    out += [
+        dict(case="upcast", ends=e, rows=r, width=w)
+        for e, w, r in P(plan.ends, plan.widths, plan.upcast_rows)
+    ]
     out += [dict(case="expand", rows=r) for r in rows]
     out += [dict(case="remap", counts=c, rows=r) for c, r in P((True, False), rows)]
     out += [dict(case="tail", path=p, rows=r) for p, r in P(PATHS, rows)]
     grid = P(SELECT_PATHS, plan.widths, plan.select_rows, plan.ends)
-    out += [dict(path=p, rows=r, width=w, context=f"{e}, next_n {n}" if n > 1 else e,
-                 logits="randn") for p, w, (n, r), e in grid]
+    out += [
+        dict(
+            path=p,
+            rows=r,
+            width=w,
+            context=f"{e}, next_n {n}" if n > 1 else e,
+            logits="randn",
+        )
+        for p, w, (n, r), e in grid
+    ]
     ones = [r for n, r in plan.select_rows if n == 1]
-    out += [dict(path=p, rows=r, width=w, context="full", logits=s)
-            for p, w, s, r in P(SELECT_PATHS, plan.relu_widths, SHARES, ones)]
+    out += [
+        dict(path=p, rows=r, width=w, context="full", logits=s)
+        for p, w, s, r in P(SELECT_PATHS, plan.relu_widths, SHARES, ones)
+    ]
     steps = P(plan.step_heads, plan.step_next_n, plan.step_pools, plan.step_rows)
-    return out + [dict(case="step", rows=r, next_n=n, context=c, heads=h)
-                  for h, n, c, r in steps]
-# fmt: on
+    return out + [
+        dict(case="step", rows=r, next_n=n, context=c, heads=h) for h, n, c, r in steps
+    ]
 
 
 def name(case: dict) -> str:
@@ -234,7 +256,6 @@ def ours_update(u, mx):
     K.kpool_update(*u.values(), POOL, mx_scales=mx, round_scale=True)
 
 
-# fmt: off
 def stock_remap(t, counts):
     """The stock decode after its top-k: the -1 fill, the int64 cast, the
     expansion of positions + 1, its copy into the rows, the conversion."""
@@ -242,15 +263,30 @@ def stock_remap(t, counts):
     seq = t["positions"].to(torch.int32) + 1
     expanded = K.stock_expand(t["pool_topk"].to(torch.int64), seq, POOL)
     t["logical"][:, : expanded.shape[1]] = expanded
-    K.convert(t["req_ids"], t["block_table"], t["logical"], BLOCK_SIZE=BLOCK,
-              NUM_TOPK_TOKENS=WIDTH, return_valid_counts=counts, out=t["physical"],
-              valid_counts_out=t["counts"] if counts else None)
+    K.convert(
+        t["req_ids"],
+        t["block_table"],
+        t["logical"],
+        BLOCK_SIZE=BLOCK,
+        NUM_TOPK_TOKENS=WIDTH,
+        return_valid_counts=counts,
+        out=t["physical"],
+        valid_counts_out=t["counts"] if counts else None,
+    )
 
 
 def ours_remap(t, counts):
-    K.expand_and_remap(t["pool_topk"], t["positions"], POOL, t["req_ids"],
-                       t["block_table"], t["physical"], t["counts"] if counts else None,
-                       block_size=BLOCK, stride_rows=BLOCK)
+    K.expand_and_remap(
+        t["pool_topk"],
+        t["positions"],
+        POOL,
+        t["req_ids"],
+        t["block_table"],
+        t["physical"],
+        t["counts"] if counts else None,
+        block_size=BLOCK,
+        stride_rows=BLOCK,
+    )
 
 
 def workspace(rows: int, width: int, dev) -> torch.Tensor:
@@ -305,12 +341,25 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
             # The fed select with no counts (as after DeepGEMM's scores): it
             # counts the first digit itself, one more read of the row.
             zeros = torch.zeros(rows, K.histogram, dtype=torch.int32, device=dev)
-            unhinted = p(K.select, logits=x, ends=e, k=K_POOLS, out=t["pool_topk"],
-                         histogram=zeros)
+            unhinted = p(
+                K.select,
+                logits=x,
+                ends=e,
+                k=K_POOLS,
+                out=t["pool_topk"],
+                histogram=zeros,
+            )
             pairs.append(("select_unhinted", [stock_topk], [unhinted]))
         if K.split_parts(width, K_POOLS):  # the split select, routed or not
-            split = p(K.select_topk, x, e, K_POOLS, out=t["pool_topk"],
-                      chunks=workspace(rows, width, dev), split=True)
+            split = p(
+                K.select_topk,
+                x,
+                e,
+                K_POOLS,
+                out=t["pool_topk"],
+                chunks=workspace(rows, width, dev),
+                split=True,
+            )
             pairs.append(("select_split", [stock_topk], [split]))
         return pairs, {}
     # The indexer decode after the query: DeepGEMM's scores and the stock top-k
@@ -323,10 +372,15 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
         max_seq_len, lens = POOL * pools, s["context_lens"]
         scores = p(K.deep_gemm.fp8_fp4_paged_mqa_logits, **s, max_context_len=pools)
         real = min(case["heads"], INDEX_HEADS)  # as the stage hands them on
-        ours_scores = p(K.scores, q=(s["q"][0][:, :, :real], None),
-                        kv_cache=s["kv_cache"], seq_lens=lens,
-                        weights=s["weights"][:, :real], block_table=s["block_table"],
-                        max_model_len=pools)
+        ours_scores = p(
+            K.scores,
+            q=(s["q"][0][:, :, :real], None),
+            kv_cache=s["kv_cache"],
+            seq_lens=lens,
+            weights=s["weights"][:, :real],
+            block_table=s["block_table"],
+            max_model_len=pools,
+        )
 
         def stock():  # as_fp32_logits returns SM90's FP32 scores as they are
             logits = K.as_fp32_logits(scores(), e)
@@ -339,15 +393,18 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
         def ours(select, scores=scores, split=None):
             logits = scores()
             if select:
-                K.select_topk(logits, e, K_POOLS, out=t["pool_topk"], chunks=chunks,
-                              split=split)
+                K.select_topk(
+                    logits, e, K_POOLS, out=t["pool_topk"], chunks=chunks, split=split
+                )
             else:
                 K.stock_topk(logits, lens, t["pool_topk"], K_POOLS, max_seq_len)
             ours_remap(t, True)
 
-        pairs = [("step", [stock], [p(ours, False)]),
-                 ("step_select", [stock], [p(ours, True)]),
-                 ("step_scores", [stock], [p(ours, True, ours_scores)])]
+        pairs = [
+            ("step", [stock], [p(ours, False)]),
+            ("step_select", [stock], [p(ours, True)]),
+            ("step_scores", [stock], [p(ours, True, ours_scores)]),
+        ]
         if chunks is not None:  # our scores and the split select
             pairs.append(("step_split", [stock], [p(ours, True, ours_scores, True)]))
         if K.fed_columns(pools):  # our scores count, the select reads them
@@ -356,8 +413,13 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
 
             def fed():
                 logits = fed_scores()
-                K.select(logits=logits, ends=e, k=K_POOLS, out=t["pool_topk"],
-                         histogram=counts)
+                K.select(
+                    logits=logits,
+                    ends=e,
+                    k=K_POOLS,
+                    out=t["pool_topk"],
+                    histogram=counts,
+                )
                 ours_remap(t, True)
 
             pairs.append(("step_fed", [stock], [fed]))
@@ -370,8 +432,13 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
     if kind == "expand":  # stock with the int64 ids the stock decode passes
         ids, out = t["pool_topk"], t["logical"]
         seq = t["positions"].to(torch.int32) + 1
-        return [("", [p(K.stock_expand, ids.long(), seq, POOL, out=out)],
-                 [p(K.expand_pools, ids, seq, POOL, out=out)])], {}
+        return [
+            (
+                "",
+                [p(K.stock_expand, ids.long(), seq, POOL, out=out)],
+                [p(K.expand_pools, ids, seq, POOL, out=out)],
+            )
+        ], {}
     if kind == "remap":
         c = case["counts"]
         return [("", [p(stock_remap, t, c)], [p(ours_remap, t, c)])], {}
@@ -380,13 +447,15 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
     mx, upcast, counts = PATHS[case["path"]]
     x = torch.randn(rows, TAIL_WIDTH, device=dev, generator=gen).to(torch.bfloat16)
     e = draw_ends(rows, 1, TAIL_WIDTH, "random", dev, gen)
-    stock = [p(stock_update, u, mx), p(K.as_fp32_logits, x, e),
-             p(stock_remap, t, counts)]
+    stock = [
+        p(stock_update, u, mx),
+        p(K.as_fp32_logits, x, e),
+        p(stock_remap, t, counts),
+    ]
     ours = [p(ours_update, u, mx), p(K.upcast_logits, x, e), p(ours_remap, t, counts)]
     if not upcast:
         del stock[1], ours[1]
     return [("", [p(calls, stock)], [p(calls, ours)])], {}
-# fmt: on
 
 
 def graph_us(fns, rep_ms) -> tuple[float, float]:
@@ -457,12 +526,17 @@ def run(selected: list[dict], plan: Plan, dev, copy_gbs: float) -> list[dict]:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()  # the case's buffers and graph pools
         rows.append(row)
-        said = [f"{k[:-3]} x{v[0] / v[1]:.2f} ±{max(row[k[:-2] + 'spread']):.0%}"
-                for k, v in row.items()
-                if k.endswith("_us") and v[1] and k != "scores_graph_us"]  # fmt: skip
+        said = [
+            f"{k[:-3]} x{v[0] / v[1]:.2f} ±{max(row[k[:-2] + 'spread']):.0%}"
+            for k, v in row.items()
+            if k.endswith("_us") and v[1] and k != "scores_graph_us"
+        ]
         if row.get("scores_graph_us"):
-            said.append("scores: DeepGEMM {:.1f} us, ours {:.1f} us".format(
-                *row["scores_graph_us"]))  # fmt: skip
+            said.append(
+                "scores: DeepGEMM {:.1f} us, ours {:.1f} us".format(
+                    *row["scores_graph_us"]
+                )
+            )
         said = ["FAILED " + row["error"].split("\n")[0]] if "error" in row else said
         print(f"{name(case):64} {' | '.join(said)}", flush=True)
     return rows
@@ -561,7 +635,6 @@ def git_head() -> str:
     return out or "unknown"
 
 
-# fmt: off
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
@@ -569,10 +642,16 @@ def parse_args(argv=None):
     add("--quick", action="store_true", help="a short subset")
     add("--cases", default="", metavar="REGEX", help="the cases whose name matches")
     add("--list", action="store_true", help="print the case names and stop")
-    add("--stock-topk-so", default=os.environ.get("KPOOL_STOCK_TOPK_SO"),
-        help="the wheel's _C_stable_libtorch.abi3.so (KPOOL_STOCK_TOPK_SO)")
-    add("--deep-gemm", default=os.environ.get("KPOOL_DEEP_GEMM"),
-        help="the folder holding vLLM's vendored deep_gemm (KPOOL_DEEP_GEMM)")
+    add(
+        "--stock-topk-so",
+        default=os.environ.get("KPOOL_STOCK_TOPK_SO"),
+        help="the wheel's _C_stable_libtorch.abi3.so (KPOOL_STOCK_TOPK_SO)",
+    )
+    add(
+        "--deep-gemm",
+        default=os.environ.get("KPOOL_DEEP_GEMM"),
+        help="the folder holding vLLM's vendored deep_gemm (KPOOL_DEEP_GEMM)",
+    )
     add("--commit", help="what was measured (default: git describe --dirty)")
     args = p.parse_args(argv)
     args.plan = QUICK if args.quick else Plan()
@@ -580,8 +659,10 @@ def parse_args(argv=None):
     so = args.stock_topk_so
     topk = any(part(c) in ("select", "scores") for c in args.selected)
     if topk and not (args.list or so and Path(so).is_file()):
-        p.error(f"the select and step cases need --stock-topk-so (not a file: {so})"
-                " or --cases")
+        p.error(
+            f"the select and step cases need --stock-topk-so (not a file: {so})"
+            " or --cases"
+        )
     steps = any(part(c) == "scores" for c in args.selected)
     if steps and not (args.list or args.deep_gemm):
         p.error("the step cases need --deep-gemm (vLLM's vendored DeepGEMM) or --cases")
@@ -600,11 +681,18 @@ def main(argv=None) -> int:
 
     started, dev = time.perf_counter(), torch.device("cuda")
     copy = copy_gbs(args.plan.rep_ms)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, commit=args.commit or git_head(),
-                date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-                copy=copy, copy_gbs=max(copy.values()), plan=vars(args.plan),
-                stock_topk_so=args.stock_topk_so, deep_gemm=args.deep_gemm)
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        commit=args.commit or git_head(),
+        date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        copy=copy,
+        copy_gbs=max(copy.values()),
+        plan=vars(args.plan),
+        stock_topk_so=args.stock_topk_so,
+        deep_gemm=args.deep_gemm,
+    )
     said = ", ".join(f"{k} {v:.0f}" for k, v in copy.items())
     print(f"{meta['gpu']}, copy GB/s: {said}; x: stock time over ours ±spread")
     rows = run(args.selected, args.plan, dev, meta["copy_gbs"])
@@ -613,9 +701,6 @@ def main(argv=None) -> int:
     failed = sum("error" in r for r in rows)
     print(f"wrote {args.json}: {meta['wall_s']} s, {failed} of {len(rows)} failed")
     return 1 if failed else 0
-
-
-# fmt: on
 
 
 if __name__ == "__main__":

@@ -136,11 +136,19 @@ def time_layers(sim, backend: str, geo, select: bool, seed: int) -> list[dict]:
                 medians = [statistics.median(t) for t in zip(*eager, strict=True)]
                 graph = [graph_us(run, s, layer, fwd) for s in run.sides]
                 for mode, (a, b) in (("eager", medians), ("graph", graph)):
-                    out.append(dict(
-                        mode=mode, backend=backend, layer=layer, requests=requests,
-                        next_n=next_n, rows=fwd.rows, stock_us=a, stage_us=b,
-                        ratio=a / b,
-                    ))  # fmt: skip
+                    out.append(
+                        dict(
+                            mode=mode,
+                            backend=backend,
+                            layer=layer,
+                            requests=requests,
+                            next_n=next_n,
+                            rows=fwd.rows,
+                            stock_us=a,
+                            stage_us=b,
+                            ratio=a / b,
+                        )
+                    )
             run.sim.sched.release(batch)
             torch.cuda.empty_cache()
     return out
@@ -215,10 +223,14 @@ def main() -> int:
     if args.cpu_smoke:
         work = {k: v for k, v in vars(sim.CPU_WORK).items() if k != "tail_split"}
     meta = dict(
-        vllm=where, seed=seed, device=device, torch=torch.__version__,
-        triton=triton.__version__, geometry=vars(geo) | {"width": geo.width},
+        vllm=where,
+        seed=seed,
+        device=device,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        geometry=vars(geo) | {"width": geo.width},
         stand_ins=sim.STAND_INS,
-    )  # fmt: skip
+    )
     if device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
     print(f"indexer steps on {device} ({where}), seed {seed}", flush=True)
@@ -237,11 +249,17 @@ def main() -> int:
             meta.setdefault("not_run", []).append(name)
             continue
         cfg = sim.Config(
-            backend, mode, geo=geo, seed=seed, stages=stages, select=args.select,
+            backend,
+            mode,
+            geo=geo,
+            seed=seed,
+            stages=stages,
+            select=args.select,
             scores=args.scores,
-            work=sim.Workload(tail_split=split, **work), hold_cycles=args.hold_cycles,
+            work=sim.Workload(tail_split=split, **work),
+            hold_cycles=args.hold_cycles,
             capture=not args.cpu_smoke,
-        )  # fmt: skip
+        )
         with pytest.MonkeyPatch.context() as patch:
             report = sim.Run(cfg, device, patch).run()
         print(report.line(), *(f"\n    {d}" for d in report.details), flush=True)

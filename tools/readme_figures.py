@@ -446,8 +446,9 @@ FP32, BF16 = "sm90-flashinfer", "sm100-flashinfer"
 RELU = ("relu 0%", "relu 0.1%", "relu 1%", "relu 50%")
 
 
-def select_row(data: dict, path: str, rows: int, width: int, context="full",
-               logits="randn") -> dict:  # fmt: skip
+def select_row(
+    data: dict, path: str, rows: int, width: int, context="full", logits="randn"
+) -> dict:
     """The select's row of ``path``, ``rows`` x ``width`` pools."""
     (row,) = [
         r
@@ -648,9 +649,17 @@ def step_row(data: dict, rows: int, next_n: int, pools: int) -> dict:
 
 # The step table's sizes: requests, next_n, pools.
 STEP_TABLE = [
-    (1, 1, 4096), (8, 1, 4096), (64, 1, 4096), (1, 1, 65536), (8, 1, 65536),
-    (64, 1, 65536), (1, 1, 262144), (64, 1, 262144), (1, 2, 65536), (64, 2, 262144),
-]  # fmt: skip
+    (1, 1, 4096),
+    (8, 1, 4096),
+    (64, 1, 4096),
+    (1, 1, 65536),
+    (8, 1, 65536),
+    (64, 1, 65536),
+    (1, 1, 262144),
+    (64, 1, 262144),
+    (1, 2, 65536),
+    (64, 2, 262144),
+]
 
 
 @block("step_table", "docs/bench-scores-h200.json", PERFORMANCE)
@@ -892,10 +901,15 @@ def cold_table_block(data: dict) -> str:
         b = before[(r["entries"], r["pools"], r["next_n"])]
         ours, dg, read = r["ours_cold"], r["dg_cold"], read_us(r)
         cells = [
-            f"{r['mb']:.1f}", f"{ours:.2f}", f"{b['ours_cold']:.2f}", f"{dg:.2f}",
-            f"{dg / ours:.2f}", f"{read:.2f}", f"{100 * (ours / read - 1):+.0f} %",
+            f"{r['mb']:.1f}",
+            f"{ours:.2f}",
+            f"{b['ours_cold']:.2f}",
+            f"{dg:.2f}",
+            f"{dg / ours:.2f}",
+            f"{read:.2f}",
+            f"{100 * (ours / read - 1):+.0f} %",
             f"{r['ours_counting_cold']:.2f}",
-        ]  # fmt: skip
+        ]
         size = f"{r['entries']} x {pools(r['pools'])}, {r['next_n']}"
         lines.append(f"| {size} | {' | '.join(cells)} |")
     return "\n".join(lines)

@@ -90,8 +90,16 @@ def row(scores, deep_gemm, entries, pools, heads, next_n, block, rep_ms, real):
     inputs = [
         _inputs(entries, pools, heads, next_n, block, gen, real) for _ in range(sets)
     ]
-    out = dict(entries=entries, pools=pools, heads=heads, index_heads=real,
-               next_n=next_n, block=block, sets=sets, mb=nbytes / 2**20)  # fmt: skip
+    out = dict(
+        entries=entries,
+        pools=pools,
+        heads=heads,
+        index_heads=real,
+        next_n=next_n,
+        block=block,
+        sets=sets,
+        mb=nbytes / 2**20,
+    )
     handed = [_real(a, real) for a in inputs]
     ours = [lambda a=a: scores(**a) for a in handed]
     first = ours[0]()  # compiles, untimed
@@ -109,9 +117,14 @@ def row(scores, deep_gemm, entries, pools, heads, next_n, block, rep_ms, real):
         def theirs(a):
             meta = deep_gemm.get_paged_mqa_logits_metadata(a["seq_lens"], block, slots)
             return lambda: deep_gemm.fp8_fp4_paged_mqa_logits(
-                a["q"], a["kv_cache"], a["weights"], a["seq_lens"],
-                a["block_table"], meta, pools,
-            )  # fmt: skip
+                a["q"],
+                a["kv_cache"],
+                a["weights"],
+                a["seq_lens"],
+                a["block_table"],
+                meta,
+                pools,
+            )
 
         calls = [theirs(a) for a in inputs]
         try:
@@ -134,12 +147,17 @@ def main() -> None:
     parser.add_argument("--entries", type=int, nargs="+", default=[1, 4, 8, 32, 64])
     parser.add_argument("--pools", type=int, nargs="+", default=[4096, 65536, 262144])
     parser.add_argument("--heads", type=int, nargs="+", default=[32])
-    parser.add_argument("--index-heads", type=int, default=16,
-                        help="the real heads of --heads (0: all)")  # fmt: skip
+    parser.add_argument(
+        "--index-heads", type=int, default=16, help="the real heads of --heads (0: all)"
+    )
     parser.add_argument("--next-n", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--max-bytes", type=float, default=600e6,
-                        help="skip sizes of more cache-row bytes")  # fmt: skip
+    parser.add_argument(
+        "--max-bytes",
+        type=float,
+        default=600e6,
+        help="skip sizes of more cache-row bytes",
+    )
     parser.add_argument("--rep-ms", type=float, default=50.0)
     a = parser.parse_args()
     scores, deep_gemm = _load()
@@ -150,8 +168,17 @@ def main() -> None:
                     if entries * pools * BYTES_PER_POOL > a.max_bytes:
                         continue
                     real = min(a.index_heads or heads, heads)
-                    r = row(scores, deep_gemm, entries, pools, heads, next_n,
-                            a.block, a.rep_ms, real)  # fmt: skip
+                    r = row(
+                        scores,
+                        deep_gemm,
+                        entries,
+                        pools,
+                        heads,
+                        next_n,
+                        a.block,
+                        a.rep_ms,
+                        real,
+                    )
                     print(json.dumps(r), flush=True)
                     torch.cuda.empty_cache()
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")

@@ -41,9 +41,12 @@ def main() -> None:
         if not cuda:
             patch.setattr(sim.stage_module, "sm_count", lambda index: 132)
         stage = sim.stage_module.KpoolStage(
-            model.attentions, geo.capacity, device, mx_scales=mx,
+            model.attentions,
+            geo.capacity,
+            device,
+            mx_scales=mx,
             select=args.select,
-        )  # fmt: skip
+        )
     keys = [(k, key) for k in stage.kernels for key in k.get_warmup_keys()]
     total = 0.0
     for kernel, key in keys:

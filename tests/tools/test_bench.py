@@ -36,8 +36,12 @@ def cli(*args):
     env.pop("KPOOL_STOCK_TOPK_SO", None)
     return subprocess.run(
         [sys.executable, "-c", NO_VLLM, *args],
-        cwd=bench.ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=bench.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_help_and_list_need_neither_vllm_nor_a_gpu():
@@ -71,8 +75,11 @@ def test_the_cases_cover_the_decode_sizes():
     assert grid("tail", "path", "rows") == set(P(paths, ROWS))
     select = [c for c in cases if "case" not in c]
     assert all(c.keys() == SELECT for c in select)
-    randn = {(c["path"], c["rows"], c["width"], c["context"]) for c in select
-             if c["logits"] == "randn"}  # fmt: skip
+    randn = {
+        (c["path"], c["rows"], c["width"], c["context"])
+        for c in select
+        if c["logits"] == "randn"
+    }
     n1 = set(P((1, 8, 64, 256), ends))
     n4 = {(r, f"{e}, next_n 4") for r, e in P((4, 32, 256), ends)}
     assert randn == {(p, r, w, e) for p, w, (r, e) in P(paths[:2], widths, n1 | n4)}
@@ -159,8 +166,9 @@ def deep_gemm_torch():
         fp8_paged_mqa_logits_torch,
     )
 
-    def scores(q, kv_cache, weights, context_lens, block_table, schedule_meta,
-               max_context_len):  # fmt: skip
+    def scores(
+        q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len
+    ):
         assert q[1] is None and schedule_meta is None
         return fp8_paged_mqa_logits_torch(
             q[0], kv_cache, weights, context_lens, block_table, max_context_len
@@ -174,10 +182,16 @@ def deep_gemm_torch():
 
 def test_both_sides_take_every_case_s_inputs(spec_only):
     plan = bench.Plan(
-        rows=(2,), upcast_rows=(2,), widths=(4096,), select_rows=((1, 2), (4, 4)),
-        ends=("full", "random", "short"), relu_widths=(4096,), step_rows=(2,),
-        step_next_n=(1, 2), step_pools=(4096,),
-    )  # fmt: skip
+        rows=(2,),
+        upcast_rows=(2,),
+        widths=(4096,),
+        select_rows=((1, 2), (4, 4)),
+        ends=("full", "random", "short"),
+        relu_widths=(4096,),
+        step_rows=(2,),
+        step_next_n=(1, 2),
+        step_pools=(4096,),
+    )
     kernels = dict(update="UPDATE", expand="EXPAND", remap="REMAP", upcast="UPCAST")
     for case in bench.cases(plan):
         spec_only.clear()

@@ -61,14 +61,25 @@ def paged_scores(module: str) -> dict[str, Any]:
         )
 
     def fp8_fp4_paged_mqa_logits(
-        q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-        max_model_len, indices=None,
-    ):  # fmt: skip
+        q,
+        kv_cache,
+        weights,
+        context_lens,
+        block_tables,
+        schedule_metadata,
+        max_model_len,
+        indices=None,
+    ):
         assert indices is None, "the shim's runs take SM90's batched form"
         return deep_gemm.fp8_fp4_paged_mqa_logits(
-            q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+            q,
+            kv_cache,
+            weights,
+            context_lens,
+            block_tables,
+            schedule_metadata,
             max_model_len,
-        )  # fmt: skip
+        )
 
     return {
         "get_paged_mqa_logits_metadata": get_paged_mqa_logits_metadata,

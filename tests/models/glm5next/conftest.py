@@ -125,15 +125,18 @@ def deployment(**overrides):
     ns = SimpleNamespace
     config = ns(
         additional_config={"decode_backend": "latency_specialized"},
-        model_config=ns(architectures=["Glm5NextForCausalLM"], hf_text_config=ns(
-            index_topk=2048, index_kpool=4, index_head_dim=128)),
+        model_config=ns(
+            architectures=["Glm5NextForCausalLM"],
+            hf_text_config=ns(index_topk=2048, index_kpool=4, index_head_dim=128),
+        ),
         parallel_config=ns(decode_context_parallel_size=1, use_ubatching=False),
         compilation_config=ns(
-            mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+            mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE
+        ),
         kernel_config=ns(enable_jit_warmup=True),
         scheduler_config=ns(max_num_seqs=64, max_num_batched_tokens=8192),
         speculative_config=ns(num_speculative_tokens=3),
-    )  # fmt: skip
+    )
     for name, value in overrides.items():
         section, _, attribute = name.partition("__")
         target = config if not attribute else getattr(config, section)
@@ -169,8 +172,11 @@ def fake_gpu(monkeypatch):
         for name, answer in (
             ("is_cuda", lambda: cuda),
             ("is_device_capability", lambda c: cuda and c == capability),
-            ("is_device_capability_family", lambda c: cuda and capability // 10 == c // 10),  # noqa: E501
-        ):  # fmt: skip
+            (
+                "is_device_capability_family",
+                lambda c: cuda and capability // 10 == c // 10,
+            ),  # noqa: E501
+        ):
             monkeypatch.setattr(current_platform, name, answer)
 
     return use

@@ -267,18 +267,25 @@ class Builder:
         self.block_table, self.tail_table = buf(r, blocks), buf(r, 1)
         # Where ``laid`` puts what the builders keep in their own buffers.
         self.out = SimpleNamespace(
-            slots=buf(t, dtype=torch.int64), tail=buf(t, dtype=torch.int64),
-            seq=buf(t), lens=buf(t), per_req=buf(t), indices=buf(t),
-            table=buf(t, blocks), schedule=buf(1),
-        )  # fmt: skip
+            slots=buf(t, dtype=torch.int64),
+            tail=buf(t, dtype=torch.int64),
+            seq=buf(t),
+            lens=buf(t),
+            per_req=buf(t),
+            indices=buf(t),
+            table=buf(t, blocks),
+            schedule=buf(1),
+        )
         if not VLLM_BUILDERS:
             return
         ns = SimpleNamespace
         config = ns(
             scheduler_config=ns(max_num_batched_tokens=t, max_num_seqs=r),
             parallel_config=ns(
-                decode_context_parallel_size=1, tensor_parallel_size=1,
-                prefill_context_parallel_size=1, cp_kv_cache_interleave_size=1,
+                decode_context_parallel_size=1,
+                tensor_parallel_size=1,
+                prefill_context_parallel_size=1,
+                cp_kv_cache_interleave_size=1,
             ),
             speculative_config=ns(
                 num_speculative_tokens=geo.spec,
@@ -291,15 +298,22 @@ class Builder:
                 sparse_mla_prefill_workspace_factor=5,
                 resolve_indexer_kv_dtype=lambda default: default,
             ),
-        )  # fmt: skip
+        )
         spec = MLAAttentionSpec(
-            block_size=geo.block, num_kv_heads=1, head_size=D + 4, dtype=torch.uint8,
+            block_size=geo.block,
+            num_kv_heads=1,
+            head_size=D + 4,
+            dtype=torch.uint8,
             tokens_per_state=POOL,
-        )  # fmt: skip
+        )
         tail = CircularBufferSpec(
-            block_size=geo.ring, num_kv_heads=2, head_size=D, head_size_v=0,
-            dtype=torch.bfloat16, dcp_sharded=False,
-        )  # fmt: skip
+            block_size=geo.ring,
+            num_kv_heads=2,
+            head_size=D,
+            head_size_v=0,
+            dtype=torch.bfloat16,
+            dcp_sharded=False,
+        )
         names = list(zip(*geo.prefixes, strict=True))
         with self.platform():
             self.indexer = meta.DeepseekV32IndexerMetadataBuilder(
@@ -342,9 +356,10 @@ class Builder:
         tail's ``CommonAttentionMetadata``: its own KV cache group's block
         table, one block a request, and slot mapping)."""
         tail = replace(
-            common, block_table_tensor=self.tail_table[: common.num_reqs],
+            common,
+            block_table_tensor=self.tail_table[: common.num_reqs],
             slot_mapping=self.tail_slots[: common.num_actual_tokens],
-        )  # fmt: skip
+        )
         with self.platform():
             return self.indexer.build(0, common), self.tail.build(0, tail)
 
@@ -362,24 +377,36 @@ class Builder:
 
         def split(d: int, **more):
             return meta.DeepseekV32IndexerMetadata(
-                seq_lens=common.seq_lens, max_seq_len=common.max_seq_len,
-                num_decodes=d, num_decode_tokens=sum(q[:d]), num_prefills=reqs - d,
-                num_prefill_tokens=sum(q[d:]), **more,
-            )  # fmt: skip
+                seq_lens=common.seq_lens,
+                max_seq_len=common.max_seq_len,
+                num_decodes=d,
+                num_decode_tokens=sum(q[:d]),
+                num_prefills=reqs - d,
+                num_prefill_tokens=sum(q[d:]),
+                **more,
+            )
 
         tail = split(
-            next((i for i, x in enumerate(q) if x > 1), reqs), positions=pos,
+            next((i for i, x in enumerate(q) if x > 1), reqs),
+            positions=pos,
             slot_mapping=meta.compute_kpool_tail_slot_mapping(
-                torch.full_like(out.tail[:tokens], -1), self.tail_table[:reqs],
-                common.query_start_loc, pos, tokens, reqs, geo.ring,
+                torch.full_like(out.tail[:tokens], -1),
+                self.tail_table[:reqs],
+                common.query_start_loc,
+                pos,
+                tokens,
+                reqs,
+                geo.ring,
                 out=out.tail[:tokens],
             ),
-        )  # fmt: skip
+        )
         indexer = split(
-            decodes, slot_mapping=out.slots[:tokens], block_table=bt,
+            decodes,
+            slot_mapping=out.slots[:tokens],
+            block_table=bt,
             decode=self.laid_decode(q[:decodes], seq, bt) if decodes else None,
             prefill=self.laid_prefill(q, seq, decodes, bt) if decodes < reqs else None,
-        )  # fmt: skip
+        )
         return indexer, tail
 
     def laid_decode(self, d, seq, bt):
@@ -401,12 +428,16 @@ class Builder:
             table = out.table[: len(rows)].copy_(bt[rows_t])
             lens = self.put(out.lens, [1] * len(rows))
         return meta.DeepSeekV32IndexerDecodeMetadata(
-            block_table=table, seq_lens=values.floor_divide_(POOL), decode_lens=lens,
-            requires_padding=native and min(d) != lmax, schedule_metadata=out.schedule,
-            per_req_decode_lens=self.put(out.per_req, d), write_max_decode_len=lmax,
+            block_table=table,
+            seq_lens=values.floor_divide_(POOL),
+            decode_lens=lens,
+            requires_padding=native and min(d) != lmax,
+            schedule_metadata=out.schedule,
+            per_req_decode_lens=self.put(out.per_req, d),
+            write_max_decode_len=lmax,
             decode_is_uniform=min(d) == lmax,
             indices=self.put(out.indices, rows) if self.backend.varlen else None,
-        )  # fmt: skip
+        )
 
     def laid_prefill(self, q, seq, decodes: int, bt):
         """One chunk over every prefill request (none without a pool)."""
@@ -420,13 +451,23 @@ class Builder:
         if cu[-1]:
             tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)
             ints, seqs = tensor(cu), [i for i, p in enumerate(pools) for _ in range(p)]
-            chunks.append(meta.DeepseekV32IndexerPrefillChunkMetadata(
-                block_table=bt[decodes : len(seq)], cu_seqlen_ks=tensor(ks),
-                cu_seqlen_ke=tensor(ke), cu_seq_lens=ints, token_to_seq=tensor(seqs),
-                total_seq_lens=cu[-1], max_seqlen_k=max(pools), token_start=first,
-                token_end=first + len(ks), num_reqs=len(pools), local_cu_seq_lens=ints,
-                local_total_seq_lens=cu[-1], max_local_total_seq_lens=cu[-1],
-            ))  # fmt: skip
+            chunks.append(
+                meta.DeepseekV32IndexerPrefillChunkMetadata(
+                    block_table=bt[decodes : len(seq)],
+                    cu_seqlen_ks=tensor(ks),
+                    cu_seqlen_ke=tensor(ke),
+                    cu_seq_lens=ints,
+                    token_to_seq=tensor(seqs),
+                    total_seq_lens=cu[-1],
+                    max_seqlen_k=max(pools),
+                    token_start=first,
+                    token_end=first + len(ks),
+                    num_reqs=len(pools),
+                    local_cu_seq_lens=ints,
+                    local_total_seq_lens=cu[-1],
+                    max_local_total_seq_lens=cu[-1],
+                )
+            )
         return meta.DeepseekV32IndexerPrefillMetadata(
             chunks, max_prefill_seq_len=max(seq[decodes:])
         )
@@ -436,8 +477,9 @@ class Builder:
         view = buffer[: host.shape[0]]
         return view.copy_(host.view(view.shape) if host.dim() == view.dim() else host)
 
-    def build(self, batch: Batch, *, rows: int, full=False, pad_reqs=0,
-              tail_split="indexer"):  # fmt: skip
+    def build(
+        self, batch: Batch, *, rows: int, full=False, pad_reqs=0, tail_split="indexer"
+    ):
         """One step's forward inputs for ``rows`` hidden rows: ``metadata``
         (indexer, tail and MLA entries), ``positions``, the ``tokens`` it
         covers, ``kind``, decode ``layout``, the CUDA graph ``key`` and the
@@ -474,39 +516,61 @@ class Builder:
             query_start_loc_cpu=torch.tensor(cu, dtype=torch.int32),
             seq_lens=self.put(self.seq_lens, seq_lens),
             seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32),
-            num_reqs=reqs, num_actual_tokens=tokens, max_query_len=max(q_lens),
-            max_seq_len=max_seq, block_table_tensor=self.put(self.block_table, table),
+            num_reqs=reqs,
+            num_actual_tokens=tokens,
+            max_query_len=max(q_lens),
+            max_seq_len=max_seq,
+            block_table_tensor=self.put(self.block_table, table),
             slot_mapping=self.put(self.slots, slots),
             positions=self.put(self.positions, positions),
-        )  # fmt: skip
+        )
         self.put(self.tail_table, tails)
         indexer, tail = (self.built if VLLM_BUILDERS else self.laid)(common)
         if tail_split == "indexer":
             split = ("num_decodes", "num_decode_tokens", "num_prefills")
-            tail = replace(tail, **{k: getattr(indexer, k) for k in split},
-                           num_prefill_tokens=indexer.num_prefill_tokens)  # fmt: skip
+            tail = replace(
+                tail,
+                **{k: getattr(indexer, k) for k in split},
+                num_prefill_tokens=indexer.num_prefill_tokens,
+            )
         decodes, layout, d = indexer.num_decodes, "none", indexer.decode
         if d is not None:
             layout = (
-                "varlen" if d.indices is not None else "padded" if d.requires_padding
-                else "native" if d.seq_lens.shape[0] == decodes else "flat"
-            )  # fmt: skip
+                "varlen"
+                if d.indices is not None
+                else "padded"
+                if d.requires_padding
+                else "native"
+                if d.seq_lens.shape[0] == decodes
+                else "flat"
+            )
         self.put(self.req_ids, req_ids)
         mla = SparseMLACommonMetadata(
-            num_reqs=reqs, max_query_len=max(q_lens), max_seq_len=max_seq,
-            num_actual_tokens=tokens, query_start_loc=common.query_start_loc,
-            slot_mapping=common.slot_mapping, num_decodes=decodes,
+            num_reqs=reqs,
+            max_query_len=max(q_lens),
+            max_seq_len=max_seq,
+            num_actual_tokens=tokens,
+            query_start_loc=common.query_start_loc,
+            slot_mapping=common.slot_mapping,
+            num_decodes=decodes,
             num_decode_tokens=indexer.num_decode_tokens,
-            num_prefills=indexer.num_prefills, block_table=common.block_table_tensor,
-            req_id_per_token=self.req_ids, block_size=geo.block, topk_tokens=geo.topk,
-        )  # fmt: skip
+            num_prefills=indexer.num_prefills,
+            block_table=common.block_table_tensor,
+            req_id_per_token=self.req_ids,
+            block_size=geo.block,
+            topk_tokens=geo.topk,
+        )
         metadata = {}
         for names in geo.prefixes:
             metadata.update(zip(names, (indexer, tail, mla), strict=True))
         host = (rows, tokens, tuple(q_lens), decodes, max_seq, tail.num_decodes, layout)
         return SimpleNamespace(
-            metadata=metadata, positions=self.positions[:rows], rows=rows, host=host,
-            tokens=tokens, layout=layout,
+            metadata=metadata,
+            positions=self.positions[:rows],
+            rows=rows,
+            host=host,
+            tokens=tokens,
+            layout=layout,
             key=(reqs, q_pad, layout) if full else (rows,),
             kind="decode" if decodes == reqs else "mixed" if decodes else "prefill",
-        )  # fmt: skip
+        )

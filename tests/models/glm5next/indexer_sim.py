@@ -67,9 +67,13 @@ STOCK_UPCAST = stock_layers.as_fp32_logits
 STOCK_CONVERT = sparse_utils.triton_convert_req_index_to_global_index
 STOCK_MX = deep_gemm.mqa_logits_use_mx_scales
 KERNELS = dict(
-    update=kpool.UPDATE, expand=kpool.EXPAND, remap=kpool.REMAP,
-    upcast=kpool.UPCAST, select=kpool.SELECT, scores=scores_launch.SCORES,
-)  # fmt: skip
+    update=kpool.UPDATE,
+    expand=kpool.EXPAND,
+    remap=kpool.REMAP,
+    upcast=kpool.UPCAST,
+    select=kpool.SELECT,
+    scores=scores_launch.SCORES,
+)
 StageRegistry = install.StageRegistry
 
 # --- References --------------------------------------------------------------
@@ -128,9 +132,14 @@ def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
 
     width, mx = kw["max_model_len"], q_scale is not None
     out = _logits(
-        values.reshape(rows, -1, D), q_scale, weights, width, lens.reshape(-1)[:rows],
-        gather, mx,
-    )  # fmt: skip
+        values.reshape(rows, -1, D),
+        q_scale,
+        weights,
+        width,
+        lens.reshape(-1)[:rows],
+        gather,
+        mx,
+    )
     dtype = kw.get("dtype") or (torch.bfloat16 if mx else torch.float32)
     shape = (rows, width + kw.get("pad", 0))
     return torch.empty(shape, dtype=dtype, device=out.device)[:, :width].copy_(out)
@@ -251,9 +260,10 @@ def references(patch, modules, device, logits=paged_logits, topk=None) -> None:
     names = dict(fp8_fp4_paged_mqa_logits=logits)
     names |= {} if topk is None else dict(get_indexer_topk=topk)
     indexer = names | dict(
-        fp8_fp4_mqa_logits=ragged_logits, current_workspace_manager=lambda: Workspace,
+        fp8_fp4_mqa_logits=ragged_logits,
+        current_workspace_manager=lambda: Workspace,
         ops=NS(cp_gather_indexer_k_quant_cache=_gather),
-    )  # fmt: skip
+    )
     for module, values in [*((m, indexer) for m in modules), (stage_module, names)]:
         for name, value in values.items():
             patch.setattr(module, name, value, raising=False)
@@ -313,11 +323,16 @@ def twin(name: str, key, *args) -> None:
         if name == "remap":
             req_ids, table, out, counts, _ = rest
             STOCK_CONVERT(
-                req_ids, table, logical, BLOCK_SIZE=key.block_size,
-                BLOCK_STRIDE_ROWS=key.stride_rows, NUM_TOPK_TOKENS=out.shape[1],
-                return_valid_counts=key.counts, out=out,
+                req_ids,
+                table,
+                logical,
+                BLOCK_SIZE=key.block_size,
+                BLOCK_STRIDE_ROWS=key.stride_rows,
+                NUM_TOPK_TOKENS=out.shape[1],
+                return_valid_counts=key.counts,
+                out=out,
                 valid_counts_out=counts[: len(out)] if key.counts else None,
-            )  # fmt: skip
+            )
     elif name == "upcast":
         logits, out, ends, _ = args
         below = torch.arange(logits.shape[1], device=logits.device) < ends[:, None]
@@ -374,8 +389,11 @@ class Spies:
         for kernel in KERNELS.values():
             launch = sys.modules[type(kernel).__module__]
             patch.setattr(launch, "check_devices", any_device)
-        for module in (stage_module, sys.modules[type(kpool.SELECT).__module__],
-                       scores_launch):  # fmt: skip
+        for module in (
+            stage_module,
+            sys.modules[type(kpool.SELECT).__module__],
+            scores_launch,
+        ):
             patch.setattr(module, "sm_count", lambda index: 132)
         update = "kpool_decode_update_and_maybe_write_cache_batched"
         for name, module, label in (
@@ -384,7 +402,7 @@ class Spies:
             ("expand_pools_and_append_tail", stage_module, "stock:expand"),
             ("expand_pools_and_append_tail", kpool_ops, "indexer:expand"),
             ("triton_convert_req_index_to_global_index", groups, "stock:convert"),
-        ):  # fmt: skip
+        ):
             patch.setattr(module, name, self.logged(label, getattr(module, name)))
         compute_stream = Fake(timeline, "compute")
         for module in (remap, groups):
@@ -426,9 +444,10 @@ class Spies:
 # The stock sparse MLA impl of each backend path (the stage tells backends
 # apart by their class's ``forward_mqa``).
 IMPLS = dict(
-    group=SparseMLACommonImpl, group_no_counts=flashmla_sparse.FlashMLASparseImpl,
+    group=SparseMLACommonImpl,
+    group_no_counts=flashmla_sparse.FlashMLASparseImpl,
     compute=fi_sm90.FlashInferMLASparseSM90Impl,
-)  # fmt: skip
+)
 
 
 def ints(shape, device) -> torch.Tensor:
@@ -442,8 +461,9 @@ class Sim:
     reads, the scheduler and the metadata builder (``deep_gemm``: the
     decode rows DeepGEMM's own scores take)."""
 
-    def __init__(self, geo, backend, device, seed: int, timeline=None, work=None,
-                 deep_gemm=False):  # fmt: skip
+    def __init__(
+        self, geo, backend, device, seed: int, timeline=None, work=None, deep_gemm=False
+    ):
         self.geo, self.backend, self.device = geo, backend, torch.device(device)
         self.timeline = [] if timeline is None else timeline
         self.gen = g = torch.Generator(self.device).manual_seed(seed)
@@ -460,9 +480,10 @@ class Sim:
             flat[:, : page * D] = fp8.view(torch.uint8)
             e = torch.randint(-12, -4, (blocks, page), generator=g, device=dev)
             flat[:, page * D :] = (
-                (e + 127).to(torch.uint8).repeat_interleave(4, 1) if backend.mx
+                (e + 127).to(torch.uint8).repeat_interleave(4, 1)
+                if backend.mx
                 else torch.pow(2.0, e.float()).view(torch.uint8)
-            )  # fmt: skip
+            )
             self.kv.append(cache)
         tail = (geo.max_reqs + 1, 2, geo.ring, D)
         self.tail = [
@@ -499,8 +520,9 @@ class Model:
     ``snaps``: what its consumer saw (logical buffer, physical rows, counts;
     ``flags``: deferred, the rows converted)."""
 
-    def __init__(self, sim: Sim, name: str, *, module=None, impl=None,
-                 capacity=None, bound=True):  # fmt: skip
+    def __init__(
+        self, sim: Sim, name: str, *, module=None, impl=None, capacity=None, bound=True
+    ):
         geo, dev, log = sim.geo, sim.device, sim.timeline
         self.sim, self.name, self.module = sim, name, module or sparse_indexer
         self.kpool = self.stage = self.between = None
@@ -525,14 +547,18 @@ class Model:
                 logical_topk_ready=event("logical_ready"),
                 physical_topk_ready=event("physical_ready"),
                 has_indexer=True,
-            )  # fmt: skip
+            )
             group.register_layer()
             source = vars(sim.source).items()
             self.inputs.append(NS(**{k: v[0].clone() for k, v in source}))
-            self.snaps.append(NS(
-                logical=ints((t, w), dev), physical=ints((t, w), dev),
-                counts=ints((t,), dev), flags=ints((2,), dev),
-            ))  # fmt: skip
+            self.snaps.append(
+                NS(
+                    logical=ints((t, w), dev),
+                    physical=ints((t, w), dev),
+                    counts=ints((t,), dev),
+                    flags=ints((2,), dev),
+                )
+            )
             if impl is None:  # no method of it runs: what the stage reads of one
                 cls = IMPLS[sim.backend.convert]
                 made = cls.__new__(cls)
@@ -545,16 +571,20 @@ class Model:
             mla_kv = mla_kv if bound else None
             mla = NS(impl=impl(group) if impl else made, kv_cache=mla_kv)
             self.groups.append(group)
-            self.attentions.append(NS(
-                indexer=NS(
-                    k_cache=NS(prefix=k_prefix, kv_cache=self.kv[layer]),
-                    tail_cache=NS(prefix=tail_prefix, kv_cache=self.tail[layer]),
-                    topk_indices_buffer=self.buffer, topk_tokens=geo.topk,
-                    scale_fmt=geo.scale_fmt, max_pool_len=geo.max_pool_len,
-                    n_head=geo.index_heads or geo.heads,
-                ),
-                mla_attn=NS(mla_attn=mla),
-            ))  # fmt: skip
+            self.attentions.append(
+                NS(
+                    indexer=NS(
+                        k_cache=NS(prefix=k_prefix, kv_cache=self.kv[layer]),
+                        tail_cache=NS(prefix=tail_prefix, kv_cache=self.tail[layer]),
+                        topk_indices_buffer=self.buffer,
+                        topk_tokens=geo.topk,
+                        scale_fmt=geo.scale_fmt,
+                        max_pool_len=geo.max_pool_len,
+                        n_head=geo.index_heads or geo.heads,
+                    ),
+                    mla_attn=NS(mla_attn=mla),
+                )
+            )
 
     def active(self):
         """This model's ``SPECIALIZED_KPOOL`` in its indexer module."""
@@ -581,10 +611,12 @@ class Model:
         for name, buffer in vars(x).items():
             buffer[: fwd.rows].copy_(getattr(self.sim.source, name)[layer, : fwd.rows])
         for buffer in (
-            self.buffer, group.physical_topk_indices, group.valid_topk_counts,
+            self.buffer,
+            group.physical_topk_indices,
+            group.valid_topk_counts,
             *vars(self.snaps[layer]).values(),
             *([self.stage.pool_buffer] if self.stage else []),
-        ):  # fmt: skip
+        ):
             buffer.fill_(POISON)
         self.layer_step(layer, fwd)
 
@@ -618,15 +650,22 @@ class Model:
         stride = o.get("block_stride_rows", self.sim.geo.mla_block_rows)
         if through:
             out = group.convert_logical_to_physical_topk(
-                o.get("layer_index", 0), logical, mla, block_stride_rows=stride,
+                o.get("layer_index", 0),
+                logical,
+                mla,
+                block_stride_rows=stride,
                 return_valid_counts=counts,
-            )  # fmt: skip
+            )
         else:
             out = STOCK_CONVERT(
-                mla.req_id_per_token[:rows], mla.block_table, logical,
-                BLOCK_SIZE=mla.block_size, BLOCK_STRIDE_ROWS=stride,
-                NUM_TOPK_TOKENS=logical.shape[1], return_valid_counts=counts,
-            )  # fmt: skip
+                mla.req_id_per_token[:rows],
+                mla.block_table,
+                logical,
+                BLOCK_SIZE=mla.block_size,
+                BLOCK_STRIDE_ROWS=stride,
+                NUM_TOPK_TOKENS=logical.shape[1],
+                return_valid_counts=counts,
+            )
         return out if counts else (out, None)
 
 
@@ -640,12 +679,33 @@ def index(model: Model, layer: int, fwd) -> None:
         torch.cuda._sleep(model.hold)
     positions = None if fwd.positions is None else fwd.positions[:rows]
     model.module.sparse_attn_indexer_kpool(
-        model.hidden[:rows], geo.prefixes[layer][0], model.kv[layer], x.q[:rows],
-        None, x.k[:rows, :D], x.w[:rows], 128, geo.scale_fmt, geo.topk, D,
-        geo.max_pool_len, geo.max_reqs * geo.max_pool_len, model.buffer, False,
-        False, x.gate[:rows], model.sim.ape[layer], POOL, positions,
-        model.tail[layer], geo.prefixes[layer][1], "torch", 0, 1, 1,
-    )  # fmt: skip
+        model.hidden[:rows],
+        geo.prefixes[layer][0],
+        model.kv[layer],
+        x.q[:rows],
+        None,
+        x.k[:rows, :D],
+        x.w[:rows],
+        128,
+        geo.scale_fmt,
+        geo.topk,
+        D,
+        geo.max_pool_len,
+        geo.max_reqs * geo.max_pool_len,
+        model.buffer,
+        False,
+        False,
+        x.gate[:rows],
+        model.sim.ape[layer],
+        POOL,
+        positions,
+        model.tail[layer],
+        geo.prefixes[layer][1],
+        "torch",
+        0,
+        1,
+        1,
+    )
 
 
 @breakable.eager_break_during_capture
@@ -675,14 +735,18 @@ def consume(model: Model, layer: int) -> None:
 
 def context(fwd, mode=CUDAGraphMode.NONE, metadata="step", dummy_run=False):
     return ForwardContext(
-        no_compile_layers={}, slot_mapping={}, cudagraph_runtime_mode=mode,
+        no_compile_layers={},
+        slot_mapping={},
+        cudagraph_runtime_mode=mode,
         attn_metadata=fwd.metadata if metadata == "step" else metadata,
-        batch_descriptor=BatchDescriptor(num_tokens=fwd.rows), dummy_run=dummy_run,
-    )  # fmt: skip
+        batch_descriptor=BatchDescriptor(num_tokens=fwd.rows),
+        dummy_run=dummy_run,
+    )
 
 
-def build_stage(model: Model, registry, *, max_rows=None, select=False, scores=False,
-                warm=True):  # fmt: skip
+def build_stage(
+    model: Model, registry, *, max_rows=None, select=False, scores=False, warm=True
+):
     """``model``'s stage as ``install()`` builds it and the JIT warmup turns
     it on: a ``KpoolStage`` added to ``registry`` (a ``StageRegistry``: the
     model's ``SPECIALIZED_KPOOL``) by its top-k buffer, then (``warm``) each
@@ -690,11 +754,16 @@ def build_stage(model: Model, registry, *, max_rows=None, select=False, scores=F
     registry takes them, self-check off (it has its own tests). ``select``:
     ``kpool_select``'s value; ``scores``: ``kpool_scores``'s."""
     stage = stage_module.KpoolStage(
-        model.attentions, model.sim.geo.capacity if max_rows is None else max_rows,
-        model.buffer.device, mx_scales=model.sim.backend.mx,
-        select=select is not False, select_one_wave=select == "one_wave",
-        scores=scores, next_n=model.sim.geo.spec + 1, self_check="off",
-    )  # fmt: skip
+        model.attentions,
+        model.sim.geo.capacity if max_rows is None else max_rows,
+        model.buffer.device,
+        mx_scales=model.sim.backend.mx,
+        select=select is not False,
+        select_one_wave=select == "one_wave",
+        scores=scores,
+        next_n=model.sim.geo.spec + 1,
+        self_check="off",
+    )
     registry.add(stage, model.buffer)
     model.stage, model.kpool = stage, registry
     if warm:
@@ -707,9 +776,13 @@ def build_stage(model: Model, registry, *, max_rows=None, select=False, scores=F
 # --- Stage against stock ---------------------------------------------------------
 
 FIELDS = (
-    "index cache", "tail cache", "logical top-k", "physical top-k", "counts",
+    "index cache",
+    "tail cache",
+    "logical top-k",
+    "physical top-k",
+    "counts",
     "pool ids",
-)  # fmt: skip
+)
 
 
 def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False):
@@ -797,9 +870,14 @@ CPU_GEOMETRY = Geometry(
     layers=2, heads=4, topk=128, max_model_len=512, max_reqs=4, max_tokens=256
 )
 CPU_WORK = Workload(
-    decode_steps=5, prompt=(120, 220), output=(4, 40), arrival=0.6, nonuniform=0.5,
-    phase=1, cached=(100, 200),
-)  # fmt: skip
+    decode_steps=5,
+    prompt=(120, 220),
+    output=(4, 40),
+    arrival=0.6,
+    nonuniform=0.5,
+    phase=1,
+    cached=(100, 200),
+)
 
 
 # The opt-in scores' runs: GLM-5-Next's 16 heads as vLLM pads them to 32 for
@@ -914,8 +992,14 @@ class Run:
         self.cfg, self.patch, self.device = cfg, patch, torch.device(device)
         cuda = self.device.type == "cuda"
         # CUDA, opted-in scores: stock's are DeepGEMM's (``deep_gemm_logits``).
-        self.sim = Sim(cfg.geo, BACKENDS[cfg.backend], device, cfg.seed,
-                       work=cfg.work, deep_gemm=cuda and cfg.scores)  # fmt: skip
+        self.sim = Sim(
+            cfg.geo,
+            BACKENDS[cfg.backend],
+            device,
+            cfg.seed,
+            work=cfg.work,
+            deep_gemm=cuda and cfg.scores,
+        )
         names = ("stock", "stage", "stage 2")[: 1 + cfg.stages]
         self.sides = [Model(self.sim, name) for name in names]
         for side in self.sides:
@@ -993,9 +1077,10 @@ class Run:
             side.run(fwd, mode)  # the step itself, which warms up
             graph = self.graphs[key] = torch.cuda.CUDAGraph()
             with (
-                side.active(), override_forward_context(context(fwd, mode)),
+                side.active(),
+                override_forward_context(context(fwd, mode)),
                 torch.cuda.graph(graph, pool=self.pool, stream=self.stream),
-            ):  # fmt: skip
+            ):
                 side.forward(fwd)
             self.stats["full_capture"] += stage
         elif how == "full":
@@ -1028,16 +1113,22 @@ class Run:
         batch = sim.sched.schedule()
         how, rows, pad = self.how(batch)
         fwd = sim.builder.build(
-            batch, rows=rows, full=how == "full", pad_reqs=pad,
+            batch,
+            rows=rows,
+            full=how == "full",
+            pad_reqs=pad,
             tail_split=cfg.work.tail_split,
-        )  # fmt: skip
+        )
         sim.fill(rows)
         sim.timeline.clear()
         for name, counted in (
-            ("total", 1), (batch.kind, 1), ("decode_steps", batch.num_decodes > 0),
-            (f"mode {how}", 1), (f"layout {fwd.layout}", 1),
+            ("total", 1),
+            (batch.kind, 1),
+            ("decode_steps", batch.num_decodes > 0),
+            (f"mode {how}", 1),
+            (f"layout {fwd.layout}", 1),
             (f"next_n {batch.next_n}", batch.num_decodes > 0),
-        ):  # fmt: skip
+        ):
             s[name] += counted
         ends = (i.start + i.q_len for i in batch.items)
         report.max_context = max(report.max_context, *ends)
@@ -1107,13 +1198,20 @@ class Step:
         longest = max(c + q for c, q in zip(self.ctx, self.q_lens, strict=True))
         length = max(512, -(-longest // 64) * 64)
         return Geometry(
-            layers=1, block=self.block, heads=self.heads, index_heads=self.index_heads,
-            topk=self.topk, max_model_len=length,
-            max_reqs=len(self.q_lens) + 2, max_tokens=self.tokens + self.pad_rows + 4,
-            mla_block_rows=self.stride_rows, key_stride=self.key_stride,
-            scale_fmt=self.scale_fmt, buffer_width=self.width,
+            layers=1,
+            block=self.block,
+            heads=self.heads,
+            index_heads=self.index_heads,
+            topk=self.topk,
+            max_model_len=length,
+            max_reqs=len(self.q_lens) + 2,
+            max_tokens=self.tokens + self.pad_rows + 4,
+            mla_block_rows=self.stride_rows,
+            key_stride=self.key_stride,
+            scale_fmt=self.scale_fmt,
+            buffer_width=self.width,
             first_layer=self.first_layer,
-        )  # fmt: skip
+        )
 
     def backend(self, mx: bool) -> Backend:
         other = "flat" if self.layout == "flat" else "padded"
@@ -1126,9 +1224,20 @@ class Bench:
     another model, ``stock`` on a fresh model of ``stock_module`` (the
     unpatched indexer), each from the same initial caches and inputs."""
 
-    def __init__(self, spies: Spies, step: Step, stock_module=None, *, mx=False,
-                 registry=None, max_rows=None, select=False, scores=False,
-                 warm=True, **model):  # fmt: skip
+    def __init__(
+        self,
+        spies: Spies,
+        step: Step,
+        stock_module=None,
+        *,
+        mx=False,
+        registry=None,
+        max_rows=None,
+        select=False,
+        scores=False,
+        warm=True,
+        **model,
+    ):
         geo, backend = step.geometry(), step.backend(mx)
         self.sim = Sim(geo, backend, "cpu", step.seed, spies.timeline)
         self.spies, self.stock_module, self.model = spies, stock_module, model
@@ -1137,9 +1246,13 @@ class Bench:
         self.engine = Model(self.sim, "stage", **model)
         self.registry = StageRegistry() if registry is None else registry
         build_stage(
-            self.engine, self.registry, max_rows=max_rows, select=select,
-            scores=scores, warm=warm,
-        )  # fmt: skip
+            self.engine,
+            self.registry,
+            max_rows=max_rows,
+            select=select,
+            scores=scores,
+            warm=warm,
+        )
         self.stage = self.engine.stage
         spies.watch(self.stage)
 

@@ -452,9 +452,9 @@ def test_an_overriding_variable_is_named(gpu, make_config, monkeypatch, vllm_log
 
 
 @pytest.mark.parametrize(
-    "value, select, one_wave", [(True, True, False), (False, False, False),
-                                ("one_wave", True, True)]
-)  # fmt: skip
+    "value, select, one_wave",
+    [(True, True, False), (False, False, False), ("one_wave", True, True)],
+)
 def test_select_is_opt_in(gpu, make_config, value, select, one_wave):
     """``kpool_select`` (default false) turns on the select at every batch
     size (true) or only where one wave holds the rows ("one_wave")."""

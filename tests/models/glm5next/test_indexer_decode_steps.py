@@ -48,9 +48,16 @@ HOLD = 200_000  # GPU cycles (~0.1 ms) a stream is held back at a hand-off
 
 def cpu_config(backend: str, mode="eager", geo=CPU_GEOMETRY, **changes) -> Config:
     return Config(
-        backend=backend, mode=mode, geo=geo, work=CPU_WORK, seed=CPU_SEED,
-        capture=False, full_sizes=(2, 4), piecewise_sizes=(16, 64, 256), **changes,
-    )  # fmt: skip
+        backend=backend,
+        mode=mode,
+        geo=geo,
+        work=CPU_WORK,
+        seed=CPU_SEED,
+        capture=False,
+        full_sizes=(2, 4),
+        piecewise_sizes=(16, 64, 256),
+        **changes,
+    )
 
 
 def check(report, decode_steps: int, topk: int = CPU_GEOMETRY.topk) -> None:
@@ -194,8 +201,10 @@ def test_tools_print_help():
     for tool in ("indexer_steps.py", "warm_start_kpool.py", "scores_timing.py"):
         proc = subprocess.run(
             [sys.executable, str(REPO / "tools" / tool), "--help"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc
         assert "import" not in proc.stderr, proc.stderr
 
@@ -286,9 +295,14 @@ def test_indexer_steps_scores(monkeypatch, backend, mode):
     other byte as stock's. Equal sets need our scores' bytes to be DeepGEMM's
     wherever the select reads them."""
     _, report = gpu_run(
-        monkeypatch, backend, mode, hold_cycles=HOLD, select=True, scores=True,
+        monkeypatch,
+        backend,
+        mode,
+        hold_cycles=HOLD,
+        select=True,
+        scores=True,
         geo=SCORES_GEOMETRY,
-    )  # fmt: skip
+    )
     launched(report, backend, select=True, scores=True)
 
 
@@ -298,7 +312,11 @@ def test_indexer_steps_scores_without_select(monkeypatch, backend):
     """The opt-in scores alone, eager: both sides' top-k is the same stable
     sort, so every byte compares, the logical rows included."""
     _, report = gpu_run(
-        monkeypatch, backend, divisor=5, hold_cycles=HOLD, scores=True,
+        monkeypatch,
+        backend,
+        divisor=5,
+        hold_cycles=HOLD,
+        scores=True,
         geo=SCORES_GEOMETRY,
-    )  # fmt: skip
+    )
     launched(report, backend, scores=True)

@@ -171,8 +171,9 @@ def test_install_on_sm100_logs_mx_scales(installed, make_config, mx_scales):
 @pytest.mark.parametrize(
     "value, rows", [(True, "every batch"), ("one_wave", "one wave of rows")]
 )
-def test_install_with_the_select_logs_it(installed, make_config, monkeypatch,
-                                         value, rows):  # fmt: skip
+def test_install_with_the_select_logs_it(
+    installed, make_config, monkeypatch, value, rows
+):
     from vllm.models.glm5next.nvidia.specialized_decode.runtime import stage
 
     monkeypatch.setattr(stage, "sm_count", lambda index: 132)
@@ -203,8 +204,9 @@ SCORED = (
         ),
     ],
 )
-def test_install_with_the_scores_logs_it(installed, make_config, monkeypatch,
-                                         extra, scores, tail):  # fmt: skip
+def test_install_with_the_scores_logs_it(
+    installed, make_config, monkeypatch, extra, scores, tail
+):
     """``kpool_scores`` reaches the stage with the deployment's next_n (1 +
     its 3 speculative tokens), and its start-up line names the scores,
     DeepGEMM's where the kernel does not take a call."""
@@ -268,8 +270,11 @@ def test_sparse_mla_backends_declare_no_batch_invariance():
     backends declares it, so that mode does not start GLM-5-Next there."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    for name in ("FLASHINFER_MLA_SPARSE", "FLASHINFER_MLA_SPARSE_SM90",
-                 "FLASHMLA_SPARSE"):  # fmt: skip
+    for name in (
+        "FLASHINFER_MLA_SPARSE",
+        "FLASHINFER_MLA_SPARSE_SM90",
+        "FLASHMLA_SPARSE",
+    ):
         backend = AttentionBackendEnum[name].get_class()
         assert backend.supports_batch_invariance() is False, name
 

@@ -81,9 +81,12 @@ class Backend:
     def impl(self, group):
         impl = object.__new__(self.cls)
         vars(impl).update(
-            index_group=group, index_group_index=0, dcp_world_size=1, _indexer=None,
+            index_group=group,
+            index_group_index=0,
+            dcp_world_size=1,
+            _indexer=None,
             _topk_indices_buffer=group.logical_topk_indices,
-        )  # fmt: skip
+        )
         vars(impl).update(self.attributes)
         for name in ("_forward_mqa_kernel", "_bf16_flash_mla_kernel"):
             setattr(impl, name, self.record)
@@ -119,16 +122,23 @@ class Backend:
 
 def sm90(**extra):
     return dict(
-        num_heads=1, qk_rope_head_dim=0, head_size=8, kv_lora_rank=4,
-        use_fp8_kv_cache=False, **extra,
-    )  # fmt: skip
+        num_heads=1,
+        qk_rope_head_dim=0,
+        head_size=8,
+        kv_lora_rank=4,
+        use_fp8_kv_cache=False,
+        **extra,
+    )
 
 
 def flashmla(kv_cache_dtype):
     return dict(
-        num_heads=1, q_head_size=8, kv_cache_dtype=kv_cache_dtype,
-        need_to_return_lse_for_decode=False, pcp_dcp_kv_gather=False,
-    )  # fmt: skip
+        num_heads=1,
+        q_head_size=8,
+        kv_cache_dtype=kv_cache_dtype,
+        need_to_return_lse_for_decode=False,
+        pcp_dcp_kv_gather=False,
+    )
 
 
 def fp8_metadata(meta, kind) -> None:
@@ -140,10 +150,12 @@ def fp8_metadata(meta, kind) -> None:
     elif kind == "separate":
         separate = object.__new__(fp8.FP8SeparatePrefillDecode)
         separate.__dict__.update(
-            num_decodes=meta.num_decodes, num_decode_tokens=meta.num_decode_tokens,
-            num_prefill_tokens=0, prefill=None,
+            num_decodes=meta.num_decodes,
+            num_decode_tokens=meta.num_decode_tokens,
+            num_prefill_tokens=0,
+            prefill=None,
             decode=SimpleNamespace(kernel_metadata=None),
-        )  # fmt: skip
+        )
         meta.fp8_use_mixed_batch = False
         meta.fp8_extra_metadata = separate
 
@@ -161,7 +173,7 @@ BACKENDS = {
         False,
         False,
         False,
-    ),  # fmt: skip
+    ),
     "flashmla-fp8-separate": (
         FlashMLASparseImpl,
         flashmla("fp8_ds_mla"),
@@ -169,7 +181,7 @@ BACKENDS = {
         False,
         True,
         False,
-    ),  # fmt: skip
+    ),
     "flash-attn": ("flash_attn", {}, None, True, True, False),
 }
 # The engagement matrix's paths (arch, the backend vLLM picks, what the
@@ -195,9 +207,13 @@ def backend_path(flash_attn_sparse, mx_scales, stock_module):
         if mx:
             mx_scales(True, stock_module)
         return SimpleNamespace(
-            cls=cls, attributes=attributes, fp8=fp8, counts=counts,
-            converts=converts, mx=mx,
-        )  # fmt: skip
+            cls=cls,
+            attributes=attributes,
+            fp8=fp8,
+            counts=counts,
+            converts=converts,
+            mx=mx,
+        )
 
     return use
 

@@ -243,9 +243,10 @@ def test_split_select_where_routed(monkeypatch, bench, references):
     served = []
     serve = b.stage.kernels.select.serve
     monkeypatch.setattr(
-        b.stage.kernels.select, "serve",
+        b.stage.kernels.select,
+        "serve",
         lambda **kw: served.append(kw["chunks"]) or serve(**kw),
-    )  # fmt: skip
+    )
     got = b.run()
     assert b.routes == SELECTED
     assert {key.chunk for key in b.spies.launched["select"]} == {64}

@@ -251,18 +251,29 @@ def test_select_keys_are_each_row_count_it_runs(width, max_rows, one_wave):
     wave (``LayerStep.selected`` runs no other): 1-66 rows at 65536 pools,
     1-16 at 262144, on 132 SMs."""
     stage = SimpleNamespace(
-        mx_scales=False, select=True, fuse=True, max_rows=max_rows, sms=132,
-        select_one_wave=one_wave, scores=False, histogram=None,
-    )  # fmt: skip
+        mx_scales=False,
+        select=True,
+        fuse=True,
+        max_rows=max_rows,
+        sms=132,
+        select_one_wave=one_wave,
+        scores=False,
+        histogram=None,
+    )
     values = dict(
         (kernel, v)
         for kernel, v in warmup.deployment_values(stage, [_layer(width)])
         if kernel is SELECT
     )[SELECT]
     assert values == dict(
-        max_rows=max_rows, one_wave_only=one_wave, k=512, dtype=torch.float32,
-        width=width, sms=132, fed=False,
-    )  # fmt: skip
+        max_rows=max_rows,
+        one_wave_only=one_wave,
+        k=512,
+        dtype=torch.float32,
+        width=width,
+        sms=132,
+        fed=False,
+    )
     wave = (66 if width == 65536 else 16) if one_wave else max_rows
     keys = SELECT.get_warmup_keys(**values)
     assert set(keys) == select_keys(min(max_rows, wave), width)
@@ -341,9 +352,13 @@ def test_no_select_keys_unless_opted_in_and_fused(select, fuse):
     """The select runs only in deferring steps of an opted-in stage: no key
     otherwise."""
     stage = SimpleNamespace(
-        mx_scales=True, select=select, fuse=fuse, max_rows=8, scores=False,
+        mx_scales=True,
+        select=select,
+        fuse=fuse,
+        max_rows=8,
+        scores=False,
         histogram=None,
-    )  # fmt: skip
+    )
     kernels = [k for k, _ in warmup.deployment_values(stage, [_layer(65536)])]
     assert SELECT not in kernels and KERNELS["upcast"] in kernels
 
@@ -367,9 +382,14 @@ def test_scores_keys_are_each_next_n_it_runs(heads, served, spec, next_n):
     else the 32 vLLM pads them to; each next_n from 1 to 1 + the
     speculative tokens; the page."""
     stage = SimpleNamespace(
-        mx_scales=False, select=False, fuse=True, max_rows=8, scores=True,
-        next_n=1 + spec, histogram=None,
-    )  # fmt: skip
+        mx_scales=False,
+        select=False,
+        fuse=True,
+        max_rows=8,
+        scores=True,
+        next_n=1 + spec,
+        histogram=None,
+    )
     keys = scores_keys(stage, _layer(65536, page=64, heads=heads))
     assert sorted(keys, key=repr) == [SCORES.CompileKey(served, n, 64) for n in next_n]
 
@@ -379,15 +399,22 @@ def test_scores_keys_stop_at_what_the_kernels_take(monkeypatch):
     (SM90's 3: the indexer flattens those steps), no key of a page or a
     head count the kernel does not take: those steps run DeepGEMM."""
     stage = SimpleNamespace(
-        mx_scales=False, select=False, fuse=True, max_rows=8, scores=True, next_n=6,
+        mx_scales=False,
+        select=False,
+        fuse=True,
+        max_rows=8,
+        scores=True,
+        next_n=6,
         histogram=None,
-    )  # fmt: skip
+    )
     keys = scores_keys(stage, _layer(65536, page=32))
     assert [key.next_n for key in keys] == [1, 2, 3, 4]
     monkeypatch.setattr(warmup, "native_next_n_supported", lambda n: n in (1, 2, 4))
     assert [key.next_n for key in scores_keys(stage, _layer(65536, page=32))] == [
-        1, 2, 4,
-    ]  # fmt: skip
+        1,
+        2,
+        4,
+    ]
     assert scores_keys(stage, _layer(65536, page=16)) == []
     assert scores_keys(stage, _layer(65536, page=64, heads=128)) == []
 
@@ -397,9 +424,14 @@ def test_no_scores_keys_with_mx_scales_or_off(mx, scores):
     """The scores take FP32 scales (SM90): no key with MX scales, nor unless
     opted in."""
     stage = SimpleNamespace(
-        mx_scales=mx, select=False, fuse=True, max_rows=8, scores=scores, next_n=4,
+        mx_scales=mx,
+        select=False,
+        fuse=True,
+        max_rows=8,
+        scores=scores,
+        next_n=4,
         histogram=None,
-    )  # fmt: skip
+    )
     assert scores_keys(stage, _layer(65536, page=64)) == []
 
 
@@ -410,9 +442,16 @@ def test_fed_keys_where_the_scores_count_for_the_select(width, fed):
     keys plus one fed key of the rows' ``columns``; none fed past
     ``FED_COLUMNS`` (those steps run the cluster select)."""
     stage = SimpleNamespace(
-        mx_scales=False, select=True, fuse=True, max_rows=8, scores=True, next_n=2,
-        select_one_wave=False, sms=132, histogram=torch.zeros(8, 257),
-    )  # fmt: skip
+        mx_scales=False,
+        select=True,
+        fuse=True,
+        max_rows=8,
+        scores=True,
+        next_n=2,
+        select_one_wave=False,
+        sms=132,
+        histogram=torch.zeros(8, 257),
+    )
     keys = scores_keys(stage, _layer(width, page=64))
     counting = {key.histogram for key in keys}
     assert counting == ({False, True} if fed else {False})

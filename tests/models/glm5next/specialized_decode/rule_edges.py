@@ -98,26 +98,41 @@ def cpu_deep_gemm(arguments: dict) -> torch.Tensor:
 
     a = arguments
     return paged_logits(
-        a["q"], a["kv_cache"], a["weights"], a["seq_lens"], a["block_table"],
+        a["q"],
+        a["kv_cache"],
+        a["weights"],
+        a["seq_lens"],
+        a["block_table"],
         max_model_len=a["max_model_len"],
-    )  # fmt: skip
+    )
 
 
 # A GLM-5-Next deployment's keys: an 8-token tail ring, 64-token pages, the
 # indexer's int32 positions and int64 slots; 512 pools in 2176 columns,
 # 64-token MLA blocks; a 4096-pool select of k 512; the scores of the 16
 # heads (views of vLLM's zero-padded 32), one draft token, 64-pool pages.
-# fmt: off
 KEYS = {
     update.UPDATE: dict(
-        ring=8, page=64, page_bytes=64 * 132, tail_block=2 * 8 * 128, tail_half=8 * 128,
-        mx_scales=True, round_scale=True, tail_slots_dtype=torch.int64,
-        slots_dtype=torch.int64, positions_dtype=torch.int32,
+        ring=8,
+        page=64,
+        page_bytes=64 * 132,
+        tail_block=2 * 8 * 128,
+        tail_half=8 * 128,
+        mx_scales=True,
+        round_scale=True,
+        tail_slots_dtype=torch.int64,
+        slots_dtype=torch.int64,
+        positions_dtype=torch.int32,
     ),
     expand.EXPAND: dict(groups=512, seq_lens_dtype=torch.int64, int32_lengths=True),
     remap.REMAP: dict(
-        groups=512, width=2176, block_size=64, stride_rows=64,
-        positions_dtype=torch.int64, int32_lengths=True, counts=True,
+        groups=512,
+        width=2176,
+        block_size=64,
+        stride_rows=64,
+        positions_dtype=torch.int64,
+        int32_lengths=True,
+        counts=True,
     ),
     upcast.UPCAST: {},
     select.SELECT: dict(k=512, dtype=torch.float32, rows=4, width=4096, sms=SMS),
@@ -128,9 +143,16 @@ KEYS = {
 EDGED = list(KEYS)
 # The seed of each kernel's base case: a few rows (the remap's: 8, 2 expanded;
 # the select's: 23 of 4096 columns; the scores': 3 entries of up to 1270 pools).
-SEEDS = {update.UPDATE: 7, expand.EXPAND: 4, remap.REMAP: 8, upcast.UPCAST: 5,
-         select.SELECT: 17, scores.SCORES: 4}
-# fmt: on
+SEEDS = {
+    update.UPDATE: 7,
+    expand.EXPAND: 4,
+    remap.REMAP: 8,
+    upcast.UPCAST: 5,
+    select.SELECT: 17,
+    scores.SCORES: 4,
+}
+
+
 @functools.cache
 def base_case(kernel) -> cases.Case:
     """The kernel's valid case the edges change (drawn once, where the stock

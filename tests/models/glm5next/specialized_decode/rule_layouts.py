@@ -74,7 +74,6 @@ def update_layouts(a: dict) -> list:
     def shaped(r, n):  # keys, scores and indices of r requests x n tokens
         return {x: dict(shape=(r, n, *a[x].shape[2:])) for x in (k, s, *indices)}
 
-    # fmt: off
     table = [
         ("kv int8", c, {c: dict(dtype=torch.int8)}),
         ("kv 2-d", c, {c: dict(shape=kv.shape[:2], stride=kv.stride()[:2])}),
@@ -84,15 +83,21 @@ def update_layouts(a: dict) -> list:
         ("kv misaligned", c, {c: dict(offset=2)}),
         ("kv pages padded", None, {c: dict(stride=(page + 8, 132, 1), offset=4)}),
         ("tail fp16", t, {t: dict(dtype=F16)}),
-        ("tail 3-d", t,
-         {t: dict(shape=(blocks, 2 * ring, DIM), stride=(2 * half, DIM, 1))}),
+        (
+            "tail 3-d",
+            t,
+            {t: dict(shape=(blocks, 2 * ring, DIM), stride=(2 * half, DIM, 1))},
+        ),
         ("tail dim stride 2", t, {t: dict(stride=(4 * half, 2 * half, 2 * DIM, 2))}),
         ("tail rows 132 apart", t, {t: dict(stride=(264 * ring, 132 * ring, 132, 1))}),
         ("tail half stride + 2", t, {t: dict(stride=(2 * half + 4, half + 2, DIM, 1))}),
         ("tail block stride + 2", t, {t: dict(stride=(2 * half + 2, half, DIM, 1))}),
         ("tail misaligned", t, {t: dict(offset=2)}),
-        ("tail padded", None,
-         {t: dict(stride=(2 * half + 8, half + 4, DIM, 1), offset=4)}),
+        (
+            "tail padded",
+            None,
+            {t: dict(stride=(2 * half + 8, half + 4, DIM, 1), offset=4)},
+        ),
         ("key fp16", k, {k: dict(dtype=F16)}),
         ("key 2-d", k, {k: dict(shape=(requests * tokens, DIM))}),
         ("key dim stride 2", k, {k: dict(stride=(tokens * 2 * DIM, 2 * DIM, 2))}),
@@ -112,7 +117,6 @@ def update_layouts(a: dict) -> list:
         ("no requests", None, shaped(0, tokens)),
         ("no tokens", None, shaped(requests, 0)),
     ]
-    # fmt: on
     for n in indices:
         other = I32 if a[n].dtype == I64 else I64
         table += [
@@ -130,35 +134,47 @@ def expand_layouts(a: dict) -> list:
     i, o, n = "pool_ids", "out", "seq_lens"
     (rows_, groups), width = a[i].shape, a[o].shape[1]
     cols, ids, out = groups * POOL + POOL - 1, a[i].stride(), a[o].stride()
-    # fmt: off
-    return rows(a, [
-        ("ids int64", i, {i: dict(dtype=I64)}),
-        ("ids 1-d", i, {i: dict(shape=(groups,))}),
-        ("ids column stride 2", i, {i: dict(stride=(2 * groups, 2))}),
-        ("ids column stride 0", i, {i: dict(stride=(1, 0))}),
-        ("ids rows padded", None, {i: dict(stride=(groups + 1, 1), offset=1)}),
-        ("out int64", o, {o: dict(dtype=I64)}),
-        ("out 1-d", o, {o: dict(shape=(width,))}),
-        ("out column stride 2", o, {o: dict(stride=(2 * width, 2))}),
-        ("out row stride + 2", o, {o: dict(stride=(width + 2, 1))}),
-        ("out misaligned", o, {o: dict(offset=2)}),
-        ("out exact width", None, {o: dict(shape=(rows_, cols), stride=out)}),
-        ("out rows padded", None,
-         {o: dict(shape=(rows_, cols), stride=(cols + 1, 1), offset=4)}),
-        ("lens int16", n, {n: dict(dtype=I16)}),
-        ("lens float", n, {n: dict(dtype=F32)}),
-        ("lens 2-d", n, {n: dict(shape=(rows_, 1), stride=(1, 1))}),
-        ("lens strided", n, {n: dict(stride=(2,))}),
-        ("lens stride 0", n, {n: dict(stride=(0,))}),
-        ("lens int32", None, {n: dict(dtype=I32)}),
-        ("int32 lengths off", None, dict(int32_lengths=False)),
-        ("no pools", None,
-         {i: dict(shape=(rows_, 0), stride=ids), o: dict(shape=(rows_, 4))}),
-        ("no rows", None,
-         {i: dict(shape=(0, groups), stride=ids),
-          o: dict(shape=(0, width), stride=out)}),
-    ])
-    # fmt: on
+    return rows(
+        a,
+        [
+            ("ids int64", i, {i: dict(dtype=I64)}),
+            ("ids 1-d", i, {i: dict(shape=(groups,))}),
+            ("ids column stride 2", i, {i: dict(stride=(2 * groups, 2))}),
+            ("ids column stride 0", i, {i: dict(stride=(1, 0))}),
+            ("ids rows padded", None, {i: dict(stride=(groups + 1, 1), offset=1)}),
+            ("out int64", o, {o: dict(dtype=I64)}),
+            ("out 1-d", o, {o: dict(shape=(width,))}),
+            ("out column stride 2", o, {o: dict(stride=(2 * width, 2))}),
+            ("out row stride + 2", o, {o: dict(stride=(width + 2, 1))}),
+            ("out misaligned", o, {o: dict(offset=2)}),
+            ("out exact width", None, {o: dict(shape=(rows_, cols), stride=out)}),
+            (
+                "out rows padded",
+                None,
+                {o: dict(shape=(rows_, cols), stride=(cols + 1, 1), offset=4)},
+            ),
+            ("lens int16", n, {n: dict(dtype=I16)}),
+            ("lens float", n, {n: dict(dtype=F32)}),
+            ("lens 2-d", n, {n: dict(shape=(rows_, 1), stride=(1, 1))}),
+            ("lens strided", n, {n: dict(stride=(2,))}),
+            ("lens stride 0", n, {n: dict(stride=(0,))}),
+            ("lens int32", None, {n: dict(dtype=I32)}),
+            ("int32 lengths off", None, dict(int32_lengths=False)),
+            (
+                "no pools",
+                None,
+                {i: dict(shape=(rows_, 0), stride=ids), o: dict(shape=(rows_, 4))},
+            ),
+            (
+                "no rows",
+                None,
+                {
+                    i: dict(shape=(0, groups), stride=ids),
+                    o: dict(shape=(0, width), stride=out),
+                },
+            ),
+        ],
+    )
 
 
 def remap_layouts(a: dict) -> list:
@@ -173,51 +189,63 @@ def remap_layouts(a: dict) -> list:
     def pools(n, w, **more):
         return {i: dict(shape=(expanded, n)), o: dict(shape=(rows_, w))} | more
 
-    # fmt: off
-    return rows(a, [
-        ("ids int64", i, {i: dict(dtype=I64)}),
-        ("ids 1-d", i, {i: dict(shape=(groups,))}),
-        ("ids column stride 2", i, {i: dict(stride=(2 * groups, 2))}),
-        ("ids column stride 0", i, {i: dict(stride=(1, 0))}),
-        ("ids rows padded", None, {i: dict(stride=(groups + 3, 1), offset=1)}),
-        ("req_ids int64", r, {r: dict(dtype=I64)}),
-        ("req_ids 2-d", r, {r: dict(shape=(rows_, 1))}),
-        ("req_ids strided", r, {r: dict(stride=(2,))}),
-        ("out int64", o, {o: dict(dtype=I64)}),
-        ("out 1-d", o, {o: dict(shape=(rows_,))}),
-        ("out rows padded", o, {o: dict(stride=(width + 4, 1))}),
-        ("out misaligned", o, {o: dict(offset=2)}),
-        ("counts int64", c, {c: dict(dtype=I64)}),
-        ("counts 0-d", c, {c: dict(shape=())}),
-        ("counts 2-d", c, {c: dict(shape=(rows_, 1))}),
-        ("counts strided", c, {c: dict(stride=(2,))}),
-        ("counts stride 0", c, {c: dict(stride=(0,))}),
-        ("no counts", None, {c: None}),
-        ("table int64", b, {b: dict(dtype=I64)}),
-        ("table 1-d", b, {b: dict(shape=(blocks,))}),
-        ("table 3-d", b, {b: dict(shape=(rows_, blocks, 1))}),
-        ("table column stride 2", b, {b: dict(stride=(2 * blocks, 2))}),
-        ("table column stride 0", b, {b: dict(stride=(1, 0))}),
-        ("table rows padded", None, {b: dict(stride=(blocks + 3, 1), offset=1)}),
-        ("positions float", p, {p: dict(dtype=F32)}),
-        ("positions int16", p, {p: dict(dtype=I16)}),
-        ("positions 0-d", p, {p: dict(shape=())}),
-        ("positions 2-d", p, {p: dict(shape=(a[p].shape[0], 1))}),
-        ("positions strided", p, {p: dict(stride=(2,))}),
-        ("positions stride 0", p, {p: dict(stride=(0,))}),
-        ("positions int32", None, {p: dict(dtype=I32)}),
-        ("int32 lengths off", None, dict(int32_lengths=False)),
-        ("32 pools, 256 columns", None, pools(32, 256)),
-        ("992 pools, 4096 columns", None, pools(992, 4096)),
-        ("1024 pools, 4224 columns", o, pools(1024, 4224)),
-        ("1024 pools, 4224 columns, no counts", None, pools(1024, 4224, counts=None)),
-        ("1024 pools, 6144 columns", o, pools(1024, 6144)),
-        ("1024 pools, 8192 columns", None, pools(1024, 8192)),
-        ("block size 12", None, dict(block_size=12, stride_rows=12)),
-        ("no rows", None, {i: dict(shape=(0, groups)), r: dict(shape=(0,)),
-                           o: dict(shape=(0, width))}),
-    ])
-    # fmt: on
+    return rows(
+        a,
+        [
+            ("ids int64", i, {i: dict(dtype=I64)}),
+            ("ids 1-d", i, {i: dict(shape=(groups,))}),
+            ("ids column stride 2", i, {i: dict(stride=(2 * groups, 2))}),
+            ("ids column stride 0", i, {i: dict(stride=(1, 0))}),
+            ("ids rows padded", None, {i: dict(stride=(groups + 3, 1), offset=1)}),
+            ("req_ids int64", r, {r: dict(dtype=I64)}),
+            ("req_ids 2-d", r, {r: dict(shape=(rows_, 1))}),
+            ("req_ids strided", r, {r: dict(stride=(2,))}),
+            ("out int64", o, {o: dict(dtype=I64)}),
+            ("out 1-d", o, {o: dict(shape=(rows_,))}),
+            ("out rows padded", o, {o: dict(stride=(width + 4, 1))}),
+            ("out misaligned", o, {o: dict(offset=2)}),
+            ("counts int64", c, {c: dict(dtype=I64)}),
+            ("counts 0-d", c, {c: dict(shape=())}),
+            ("counts 2-d", c, {c: dict(shape=(rows_, 1))}),
+            ("counts strided", c, {c: dict(stride=(2,))}),
+            ("counts stride 0", c, {c: dict(stride=(0,))}),
+            ("no counts", None, {c: None}),
+            ("table int64", b, {b: dict(dtype=I64)}),
+            ("table 1-d", b, {b: dict(shape=(blocks,))}),
+            ("table 3-d", b, {b: dict(shape=(rows_, blocks, 1))}),
+            ("table column stride 2", b, {b: dict(stride=(2 * blocks, 2))}),
+            ("table column stride 0", b, {b: dict(stride=(1, 0))}),
+            ("table rows padded", None, {b: dict(stride=(blocks + 3, 1), offset=1)}),
+            ("positions float", p, {p: dict(dtype=F32)}),
+            ("positions int16", p, {p: dict(dtype=I16)}),
+            ("positions 0-d", p, {p: dict(shape=())}),
+            ("positions 2-d", p, {p: dict(shape=(a[p].shape[0], 1))}),
+            ("positions strided", p, {p: dict(stride=(2,))}),
+            ("positions stride 0", p, {p: dict(stride=(0,))}),
+            ("positions int32", None, {p: dict(dtype=I32)}),
+            ("int32 lengths off", None, dict(int32_lengths=False)),
+            ("32 pools, 256 columns", None, pools(32, 256)),
+            ("992 pools, 4096 columns", None, pools(992, 4096)),
+            ("1024 pools, 4224 columns", o, pools(1024, 4224)),
+            (
+                "1024 pools, 4224 columns, no counts",
+                None,
+                pools(1024, 4224, counts=None),
+            ),
+            ("1024 pools, 6144 columns", o, pools(1024, 6144)),
+            ("1024 pools, 8192 columns", None, pools(1024, 8192)),
+            ("block size 12", None, dict(block_size=12, stride_rows=12)),
+            (
+                "no rows",
+                None,
+                {
+                    i: dict(shape=(0, groups)),
+                    r: dict(shape=(0,)),
+                    o: dict(shape=(0, width)),
+                },
+            ),
+        ],
+    )
 
 
 def upcast_layouts(a: dict) -> list:
@@ -231,30 +259,31 @@ def upcast_layouts(a: dict) -> list:
         shape = dict(shape=(rows_, width), stride=(stride, 1))
         return {x: shape | dict(offset=offset), o: shape | dict(offset=offset // 2)}
 
-    # fmt: off
-    return rows(a, [
-        ("logits fp32", x, {x: dict(dtype=F32)}),
-        ("logits 1-d", x, {x: dict(shape=(8,))}),
-        ("logits column stride 2", x, {x: dict(stride=(2008, 2))}),
-        ("logits column stride 0", x, {x: dict(stride=(1, 0))}),
-        ("logits row stride 1004", x, rows_of(1000, 1004)),
-        ("logits row stride 12", x, rows_of(12, 12)),
-        ("logits misaligned", x, {x: dict(offset=4)}),
-        ("row_ends int64", e, {e: dict(dtype=I64)}),
-        ("row_ends 2-d", e, {e: dict(shape=(rows_, 1), stride=(1, 1))}),
-        ("row_ends 0-d", e, {e: dict(shape=())}),
-        ("row_ends strided", e, {e: dict(stride=(2,))}),
-        ("row_ends stride 0", e, {e: dict(stride=(0,))}),
-        ("out bf16", o, {o: dict(dtype=BF16)}),
-        ("out other strides", o, {o: dict(stride=(a[o].stride(0) + 8, 1))}),
-        ("out misaligned", o, {o: dict(offset=2)}),
-        ("out left out", None, {o: None}),
-        ("rows padded, 16-byte offsets", None, rows_of(1000, 1008, offset=8)),
-        ("row stride = width", None, rows_of(1000, 1000)),
-        ("width 1001", None, rows_of(1001, 1008)),
-        ("no rows", None, {x: dict(shape=(0, 8)), e: dict(shape=(0,)), o: None}),
-    ])
-    # fmt: on
+    return rows(
+        a,
+        [
+            ("logits fp32", x, {x: dict(dtype=F32)}),
+            ("logits 1-d", x, {x: dict(shape=(8,))}),
+            ("logits column stride 2", x, {x: dict(stride=(2008, 2))}),
+            ("logits column stride 0", x, {x: dict(stride=(1, 0))}),
+            ("logits row stride 1004", x, rows_of(1000, 1004)),
+            ("logits row stride 12", x, rows_of(12, 12)),
+            ("logits misaligned", x, {x: dict(offset=4)}),
+            ("row_ends int64", e, {e: dict(dtype=I64)}),
+            ("row_ends 2-d", e, {e: dict(shape=(rows_, 1), stride=(1, 1))}),
+            ("row_ends 0-d", e, {e: dict(shape=())}),
+            ("row_ends strided", e, {e: dict(stride=(2,))}),
+            ("row_ends stride 0", e, {e: dict(stride=(0,))}),
+            ("out bf16", o, {o: dict(dtype=BF16)}),
+            ("out other strides", o, {o: dict(stride=(a[o].stride(0) + 8, 1))}),
+            ("out misaligned", o, {o: dict(offset=2)}),
+            ("out left out", None, {o: None}),
+            ("rows padded, 16-byte offsets", None, rows_of(1000, 1008, offset=8)),
+            ("row stride = width", None, rows_of(1000, 1000)),
+            ("width 1001", None, rows_of(1001, 1008)),
+            ("no rows", None, {x: dict(shape=(0, 8)), e: dict(shape=(0,)), o: None}),
+        ],
+    )
 
 
 def histogram_rows(rows_: int, device) -> list:
@@ -262,7 +291,6 @@ def histogram_rows(rows_: int, device) -> list:
     scores'), each a fresh tensor: int32 [>= rows, 257] of unit column
     stride taken, the rest refused naming it."""
     h, i32 = "histogram", dict(dtype=I32, device=device)
-    # fmt: off
     return [
         ("histogram given", None, {h: torch.zeros(rows_, 257, **i32)}),
         ("histogram int64", h, {h: torch.zeros(rows_, 257, dtype=I64, device=device)}),
@@ -273,7 +301,6 @@ def histogram_rows(rows_: int, device) -> list:
         ("histogram rows padded", None, {h: torch.zeros(rows_, 260, **i32)[:, :257]}),
         ("histogram 1-d", h, {h: torch.zeros(257, **i32)}),
     ]
-    # fmt: on
 
 
 def select_layouts(a: dict) -> list:
@@ -294,57 +321,92 @@ def select_layouts(a: dict) -> list:
     def chunks(rows, columns, dtype=I32):  # rows of ``columns``, the first k
         return torch.zeros(rows, columns, dtype=dtype, device=device)[:, :k]
 
-    # fmt: off
-    return rows(a, [
-        ("logits fp16", x, {x: dict(dtype=F16)}),
-        ("logits bf16", None, {x: dict(dtype=BF16)}),
-        ("logits 1-d", x, {x: dict(shape=(width,))}),
-        ("logits column stride 2", x, {x: dict(stride=(2 * width, 2))}),
-        ("logits row stride + 2", x, {x: dict(stride=(width + 2, 1))}),
-        ("logits rows padded", None, {x: dict(stride=(width + 4, 1))}),
-        ("logits misaligned", x, {x: dict(offset=2)}),
-        ("logits bf16 row stride + 4 (8 bytes)", x,
-         {x: dict(dtype=BF16, stride=(width + 4, 1))}),
-        ("logits bf16 rows padded (16 bytes)", None,
-         {x: dict(dtype=BF16, stride=(width + 8, 1))}),
-        ("logits bf16 8 bytes in", x, {x: dict(dtype=BF16, offset=4)}),
-        ("ends int64", e, {e: dict(dtype=I64)}),
-        ("ends 2-d", e, {e: dict(shape=(rows_, 1), stride=(1, 1))}),
-        ("ends strided", e, {e: dict(stride=(2,))}),
-        ("out int64", o, {o: dict(dtype=I64)}),
-        ("out column stride 2", o, {o: dict(stride=(2 * k, 2))}),
-        ("out columns of a wider buffer", None, {o: dict(stride=(k + 64, 1))}),
-        ("k 1024, out of 1024", None, {"k": 1024, o: dict(shape=(rows_, 1024))}),
-        ("out left out", None, {o: None}),
-        ("no rows", None, {x: dict(shape=(0, width), stride=a[x].stride()), o: None}),
-        *histogram_rows(rows_, a[e].device),
-        ("histogram, bf16 logits", x, {h: given, x: dict(dtype=BF16)}),
-        ("histogram, 262145 columns", x,
-         {h: given, x: dict(shape=(rows_, 262145), stride=(262148, 1))}),
-        ("histogram, 262144 columns", None,
-         {h: given, x: dict(shape=(rows_, 262144), stride=(262144, 1))}),
-        ("split asked, one chunk", x, {"split": True}),
-        ("split 1", "split", {"split": 1}),
-        ("split False", None, {"split": False}),
-        ("split asked, two chunks", None, wide),
-        ("split asked, k 1022", x, wide | {"k": 1022, o: None}),
-        ("split asked, with a histogram", "split", wide | {h: given}),
-        ("chunks given", None, wide | {c: chunks(2 * rows_, k)}),
-        ("chunks a row more", None, wide | {c: chunks(2 * rows_ + 1, k)}),
-        ("chunks a row short", c, wide | {c: chunks(2 * rows_ - 1, k)}),
-        ("chunks int64", c, wide | {c: chunks(2 * rows_, k, I64)}),
-        ("chunks k + 4 wide", c,
-         wide | {c: torch.zeros(2 * rows_, k + 4, dtype=I32, device=device)}),
-        ("chunks rows padded (16 bytes)", None, wide | {c: chunks(2 * rows_, k + 4)}),
-        ("chunks rows + 2 apart", c, wide | {c: chunks(2 * rows_, k + 2)}),
-        ("chunks column stride 2", c,
-         wide | {c: torch.zeros(2 * rows_, 2 * k, dtype=I32, device=device)[:, ::2]}),
-        ("chunks 4 bytes in", c,
-         wide | {c: torch.zeros(2 * rows_ * k + 1, dtype=I32, device=device)[1:]
-                 .view(2 * rows_, k)}),
-        ("chunks, not split", None, {c: chunks(1, 1, I64)}),
-    ])
-    # fmt: on
+    return rows(
+        a,
+        [
+            ("logits fp16", x, {x: dict(dtype=F16)}),
+            ("logits bf16", None, {x: dict(dtype=BF16)}),
+            ("logits 1-d", x, {x: dict(shape=(width,))}),
+            ("logits column stride 2", x, {x: dict(stride=(2 * width, 2))}),
+            ("logits row stride + 2", x, {x: dict(stride=(width + 2, 1))}),
+            ("logits rows padded", None, {x: dict(stride=(width + 4, 1))}),
+            ("logits misaligned", x, {x: dict(offset=2)}),
+            (
+                "logits bf16 row stride + 4 (8 bytes)",
+                x,
+                {x: dict(dtype=BF16, stride=(width + 4, 1))},
+            ),
+            (
+                "logits bf16 rows padded (16 bytes)",
+                None,
+                {x: dict(dtype=BF16, stride=(width + 8, 1))},
+            ),
+            ("logits bf16 8 bytes in", x, {x: dict(dtype=BF16, offset=4)}),
+            ("ends int64", e, {e: dict(dtype=I64)}),
+            ("ends 2-d", e, {e: dict(shape=(rows_, 1), stride=(1, 1))}),
+            ("ends strided", e, {e: dict(stride=(2,))}),
+            ("out int64", o, {o: dict(dtype=I64)}),
+            ("out column stride 2", o, {o: dict(stride=(2 * k, 2))}),
+            ("out columns of a wider buffer", None, {o: dict(stride=(k + 64, 1))}),
+            ("k 1024, out of 1024", None, {"k": 1024, o: dict(shape=(rows_, 1024))}),
+            ("out left out", None, {o: None}),
+            (
+                "no rows",
+                None,
+                {x: dict(shape=(0, width), stride=a[x].stride()), o: None},
+            ),
+            *histogram_rows(rows_, a[e].device),
+            ("histogram, bf16 logits", x, {h: given, x: dict(dtype=BF16)}),
+            (
+                "histogram, 262145 columns",
+                x,
+                {h: given, x: dict(shape=(rows_, 262145), stride=(262148, 1))},
+            ),
+            (
+                "histogram, 262144 columns",
+                None,
+                {h: given, x: dict(shape=(rows_, 262144), stride=(262144, 1))},
+            ),
+            ("split asked, one chunk", x, {"split": True}),
+            ("split 1", "split", {"split": 1}),
+            ("split False", None, {"split": False}),
+            ("split asked, two chunks", None, wide),
+            ("split asked, k 1022", x, wide | {"k": 1022, o: None}),
+            ("split asked, with a histogram", "split", wide | {h: given}),
+            ("chunks given", None, wide | {c: chunks(2 * rows_, k)}),
+            ("chunks a row more", None, wide | {c: chunks(2 * rows_ + 1, k)}),
+            ("chunks a row short", c, wide | {c: chunks(2 * rows_ - 1, k)}),
+            ("chunks int64", c, wide | {c: chunks(2 * rows_, k, I64)}),
+            (
+                "chunks k + 4 wide",
+                c,
+                wide | {c: torch.zeros(2 * rows_, k + 4, dtype=I32, device=device)},
+            ),
+            (
+                "chunks rows padded (16 bytes)",
+                None,
+                wide | {c: chunks(2 * rows_, k + 4)},
+            ),
+            ("chunks rows + 2 apart", c, wide | {c: chunks(2 * rows_, k + 2)}),
+            (
+                "chunks column stride 2",
+                c,
+                wide
+                | {c: torch.zeros(2 * rows_, 2 * k, dtype=I32, device=device)[:, ::2]},
+            ),
+            (
+                "chunks 4 bytes in",
+                c,
+                wide
+                | {
+                    c: torch.zeros(2 * rows_ * k + 1, dtype=I32, device=device)[
+                        1:
+                    ].view(2 * rows_, k)
+                },
+            ),
+            ("chunks, not split", None, {c: chunks(1, 1, I64)}),
+        ],
+    )
 
 
 def scores_layouts(a: dict) -> list:
@@ -361,56 +423,99 @@ def scores_layouts(a: dict) -> list:
     page, width = kv.stride(0), a[o].shape[1]
     rows_ = entries * next_n
     pages = dict(shape=kv.shape)
-    # fmt: off
-    return rows(a, [
-        ("q e5m2", q, {q: dict(dtype=torch.float8_e5m2)}),
-        ("q int8", q, {q: dict(dtype=torch.int8)}),
-        ("q rows + 16 apart (padded heads)", None,
-         {q: dict(stride=(next_n * (heads * dim + 16), heads * dim + 16, dim, 1))}),
-        ("q rows + 8 apart", q,
-         {q: dict(stride=(next_n * (heads * dim + 8), heads * dim + 8, dim, 1))}),
-        ("q heads 144 apart", q,
-         {q: dict(stride=(next_n * heads * 144, heads * 144, 144, 1))}),
-        ("q contiguous", None, {q: dict(stride=dense(values.shape))}),
-        ("q and weights: views of twice their heads", None,
-         {q: dict(stride=(next_n * 2 * heads * dim, 2 * heads * dim, dim, 1)),
-          w: dict(stride=(2 * heads, 1))}),
-        ("q next_n stride 0", q, {q: dict(stride=(heads * dim, 0, dim, 1))}),
-        ("q 8 bytes in", q, {q: dict(offset=8)}),
-        ("q 16 bytes in", None, {q: dict(offset=16)}),
-        ("kv int8", c, {c: dict(dtype=torch.int8)}),
-        ("kv 3-d", c, {c: dict(shape=(blocks, block, row), stride=(page, row, 1))}),
-        ("kv rows 136 apart", c, {c: pages | dict(stride=(page, 136, 136, 1))}),
-        ("kv pages + 4 apart", c, {c: pages | dict(stride=(page + 4, row, row, 1))}),
-        ("kv pages + 16 apart", None,
-         {c: pages | dict(stride=(page + 16, row, row, 1))}),
-        ("kv pages overlapping", c,
-         {c: pages | dict(stride=(page - 16, row, row, 1))}),
-        ("kv 4 bytes in", c, {c: dict(offset=4)}),
-        ("kv 16 bytes in", None, {c: dict(offset=16)}),
-        ("weights bf16", w, {w: dict(dtype=BF16)}),
-        ("weights column stride 2", w, {w: dict(stride=(2 * heads, 2))}),
-        ("weights rows padded", None, {w: dict(stride=(heads + 4, 1), offset=1)}),
-        ("seq_lens int64", n, {n: dict(dtype=I64)}),
-        ("seq_lens strided", n, {n: dict(stride=(2 * next_n, 2))}),
-        ("seq_lens 1-d", n, {n: dict(shape=(rows_,))}),
-        ("table int64", b, {b: dict(dtype=I64)}),
-        ("table column stride 2", b, {b: dict(stride=(2 * a[b].shape[1], 2))}),
-        ("table rows padded", None, {b: dict(stride=(a[b].shape[1] + 3, 1), offset=1)}),
-        ("out bf16", o, {o: dict(dtype=BF16)}),
-        ("out column stride 2", o, {o: dict(stride=(2 * width, 2))}),
-        ("out rows overlapping", o, {o: dict(stride=(width - 1, 1))}),
-        ("out rows padded", None, {o: dict(stride=(width + 256, 1))}),
-        ("out left out", None, {o: None}),
-        ("indices given", "indices",
-         {"indices": torch.zeros(rows_, dtype=I32, device=a[n].device)}),
-        *histogram_rows(rows_, a[n].device),
-        ("no entries", None,
-         {q: dict(shape=(0, next_n, heads, dim)), w: dict(shape=(0, heads)),
-          n: dict(shape=(0, next_n)), b: dict(shape=(0, a[b].shape[1])),
-          o: dict(shape=(0, width))}),
-    ])
-    # fmt: on
+    return rows(
+        a,
+        [
+            ("q e5m2", q, {q: dict(dtype=torch.float8_e5m2)}),
+            ("q int8", q, {q: dict(dtype=torch.int8)}),
+            (
+                "q rows + 16 apart (padded heads)",
+                None,
+                {
+                    q: dict(
+                        stride=(next_n * (heads * dim + 16), heads * dim + 16, dim, 1)
+                    )
+                },
+            ),
+            (
+                "q rows + 8 apart",
+                q,
+                {q: dict(stride=(next_n * (heads * dim + 8), heads * dim + 8, dim, 1))},
+            ),
+            (
+                "q heads 144 apart",
+                q,
+                {q: dict(stride=(next_n * heads * 144, heads * 144, 144, 1))},
+            ),
+            ("q contiguous", None, {q: dict(stride=dense(values.shape))}),
+            (
+                "q and weights: views of twice their heads",
+                None,
+                {
+                    q: dict(stride=(next_n * 2 * heads * dim, 2 * heads * dim, dim, 1)),
+                    w: dict(stride=(2 * heads, 1)),
+                },
+            ),
+            ("q next_n stride 0", q, {q: dict(stride=(heads * dim, 0, dim, 1))}),
+            ("q 8 bytes in", q, {q: dict(offset=8)}),
+            ("q 16 bytes in", None, {q: dict(offset=16)}),
+            ("kv int8", c, {c: dict(dtype=torch.int8)}),
+            ("kv 3-d", c, {c: dict(shape=(blocks, block, row), stride=(page, row, 1))}),
+            ("kv rows 136 apart", c, {c: pages | dict(stride=(page, 136, 136, 1))}),
+            (
+                "kv pages + 4 apart",
+                c,
+                {c: pages | dict(stride=(page + 4, row, row, 1))},
+            ),
+            (
+                "kv pages + 16 apart",
+                None,
+                {c: pages | dict(stride=(page + 16, row, row, 1))},
+            ),
+            (
+                "kv pages overlapping",
+                c,
+                {c: pages | dict(stride=(page - 16, row, row, 1))},
+            ),
+            ("kv 4 bytes in", c, {c: dict(offset=4)}),
+            ("kv 16 bytes in", None, {c: dict(offset=16)}),
+            ("weights bf16", w, {w: dict(dtype=BF16)}),
+            ("weights column stride 2", w, {w: dict(stride=(2 * heads, 2))}),
+            ("weights rows padded", None, {w: dict(stride=(heads + 4, 1), offset=1)}),
+            ("seq_lens int64", n, {n: dict(dtype=I64)}),
+            ("seq_lens strided", n, {n: dict(stride=(2 * next_n, 2))}),
+            ("seq_lens 1-d", n, {n: dict(shape=(rows_,))}),
+            ("table int64", b, {b: dict(dtype=I64)}),
+            ("table column stride 2", b, {b: dict(stride=(2 * a[b].shape[1], 2))}),
+            (
+                "table rows padded",
+                None,
+                {b: dict(stride=(a[b].shape[1] + 3, 1), offset=1)},
+            ),
+            ("out bf16", o, {o: dict(dtype=BF16)}),
+            ("out column stride 2", o, {o: dict(stride=(2 * width, 2))}),
+            ("out rows overlapping", o, {o: dict(stride=(width - 1, 1))}),
+            ("out rows padded", None, {o: dict(stride=(width + 256, 1))}),
+            ("out left out", None, {o: None}),
+            (
+                "indices given",
+                "indices",
+                {"indices": torch.zeros(rows_, dtype=I32, device=a[n].device)},
+            ),
+            *histogram_rows(rows_, a[n].device),
+            (
+                "no entries",
+                None,
+                {
+                    q: dict(shape=(0, next_n, heads, dim)),
+                    w: dict(shape=(0, heads)),
+                    n: dict(shape=(0, next_n)),
+                    b: dict(shape=(0, a[b].shape[1])),
+                    o: dict(shape=(0, width)),
+                },
+            ),
+        ],
+    )
 
 
 LAYOUTS = {

@@ -263,9 +263,22 @@ def test_one_zero_add_a_pair_is_one_a_sum():
     bits = torch.randint(-(2**31), 2**31, (2, 1 << 20), generator=gen, dtype=I32)
     a, b = bits.view(F32)
     special = torch.tensor(
-        [0.0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40, 1.0, -1.0, 3e38, -3e38,
-         float("inf"), float("-inf"), float("nan")],
-    )  # fmt: skip
+        [
+            0.0,
+            -0.0,
+            1e-45,
+            -1e-45,
+            1e-40,
+            -1e-40,
+            1.0,
+            -1.0,
+            3e38,
+            -3e38,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+        ],
+    )
     pa, pb = torch.cartesian_prod(special, special).T
     a, b = torch.cat([a, pa, -pb]), torch.cat([b, pb, pb])
     scale = torch.rand(a.shape, generator=gen) * 4 - 2

@@ -334,9 +334,13 @@ def test_warmup_keys_are_what_spec_derives(one_wave_only, routed, monkeypatch):
     for dtype in (F32, BF16):
         for width in WIDTHS:
             listed = SELECT.get_warmup_keys(
-                max_rows=80, one_wave_only=one_wave_only, k=K, dtype=dtype,
-                width=width, sms=SMS,
-            )  # fmt: skip
+                max_rows=80,
+                one_wave_only=one_wave_only,
+                k=K,
+                dtype=dtype,
+                width=width,
+                sms=SMS,
+            )
             derived = {}
             with allow_cpu():
                 for rows in range(1, 81):
@@ -985,8 +989,9 @@ def test_fed_select_edges(width):
     n = logits.shape[0]
     ends = torch.tensor(
         [width, K + 1, 3000, width - 1] * (n // 4) + [width] * (n % 4),
-        dtype=I32, device="cuda",
-    )  # fmt: skip
+        dtype=I32,
+        device="cuda",
+    )
     want = contract_topk(logits, ends, K)
     for counted in (True, False):
         histogram = cases.select_histogram(logits, ends.long().clamp(0, width))

@@ -190,10 +190,13 @@ def update_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     rows = torch.randn(requests, tokens + spare, DIM, **g).bfloat16()
     rows[:, :tokens] = keys
     arguments = dict(
-        tail_slot_mapping=tail_slots.to(key.tail_slots_dtype), key=rows[:, :tokens],
-        slot_score=scores, ape=ape, slot_mapping=slots.to(key.slots_dtype),
+        tail_slot_mapping=tail_slots.to(key.tail_slots_dtype),
+        key=rows[:, :tokens],
+        slot_score=scores,
+        ape=ape,
+        slot_mapping=slots.to(key.slots_dtype),
         positions=positions.to(key.positions_dtype),
-    )  # fmt: skip
+    )
     arguments |= dict(pool_size=POOL, head_dim=DIM, round_scale=key.round_scale)
     cache_view = ((pages, key.page, DIM + 4), (key.page_bytes, DIM + 4, 1))
     want = (cache.clone(), tail.clone())
@@ -308,15 +311,24 @@ def remap_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     valid = want_counts[:rows] if key.counts else None
     layout = (key.block_size, key.stride_rows, key.width)  # BLOCK_SIZE, ...
     triton_convert_req_index_to_global_index(
-        *(req_ids, table, logical, *layout), return_valid_counts=key.counts,
-        out=want_out[:rows], valid_counts_out=valid,
-    )  # fmt: skip
+        *(req_ids, table, logical, *layout),
+        return_valid_counts=key.counts,
+        out=want_out[:rows],
+        valid_counts_out=valid,
+    )
     arguments = dict(
-        pool_ids=ids, positions=positions, pool_size=POOL, req_ids=req_ids,
-        block_table=table, out=out[:rows],
-        counts=counts[:rows] if key.counts else None, block_size=key.block_size,
-        stride_rows=key.stride_rows, seq_offset=1, int32_lengths=key.int32_lengths,
-    )  # fmt: skip
+        pool_ids=ids,
+        positions=positions,
+        pool_size=POOL,
+        req_ids=req_ids,
+        block_table=table,
+        out=out[:rows],
+        counts=counts[:rows] if key.counts else None,
+        block_size=key.block_size,
+        stride_rows=key.stride_rows,
+        seq_offset=1,
+        int32_lengths=key.int32_lengths,
+    )
     return Case(arguments, (out, counts), (want_out, want_counts))
 
 
@@ -587,9 +599,14 @@ def deep_gemm_scores(arguments: dict) -> torch.Tensor:
     sms = sm_count(seq_lens.get_device())
     metadata = get_paged_mqa_logits_metadata(seq_lens, kv_cache.shape[1], sms)
     return fp8_fp4_paged_mqa_logits(
-        arguments["q"], kv_cache, arguments["weights"], seq_lens,
-        arguments["block_table"], metadata, max_model_len=arguments["max_model_len"],
-    )  # fmt: skip
+        arguments["q"],
+        kv_cache,
+        arguments["weights"],
+        seq_lens,
+        arguments["block_table"],
+        metadata,
+        max_model_len=arguments["max_model_len"],
+    )
 
 
 def _fp8(shape, gen) -> torch.Tensor:
@@ -651,9 +668,13 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     ahead = torch.arange(next_n - 1, -1, -1, dtype=torch.int32, device=gen.device)
     seq_lens = (last[:, None] - ahead).clamp(min=0).contiguous()
     arguments = dict(
-        q=(q, None), kv_cache=kv_cache, weights=weights, seq_lens=seq_lens,
-        block_table=table, max_model_len=width,
-    )  # fmt: skip
+        q=(q, None),
+        kv_cache=kv_cache,
+        weights=weights,
+        seq_lens=seq_lens,
+        block_table=table,
+        max_model_len=width,
+    )
     stock = deep_gemm_scores(arguments).view(torch.int32)
     arguments |= dict(q=(q[:, :, :heads], None), weights=weights[:, :heads])
     out = poisoned((entries * next_n, row_stride(width)), torch.float32, gen)

@@ -101,8 +101,11 @@ def read_settings(extra: dict, environ) -> DecodeConfig:
         logger.warning(
             "GLM-5-Next specialized decode: the self-check is %r from "
             "environment %s, which overrides additional_config %s=%r.",
-            mode, SELF_CHECK_ENV, SELF_CHECK_KEY, extra[SELF_CHECK_KEY],
-        )  # fmt: skip
+            mode,
+            SELF_CHECK_ENV,
+            SELF_CHECK_KEY,
+            extra[SELF_CHECK_KEY],
+        )
     return DecodeConfig(
         backend=backend,
         stages=tuple(name for name in STAGES if name not in skip),
@@ -169,9 +172,12 @@ def specialized_decode_config(vllm_config, environ=os.environ) -> DecodeConfig |
             logger.warning(
                 "GLM-5-Next specialized decode: %s %s effect only with "
                 "additional_config %s=%s; ignored under %s=auto.",
-                ", ".join(ignored), "takes" if len(ignored) == 1 else "take",
-                BACKEND_KEY, BACKEND, BACKEND_KEY,
-            )  # fmt: skip
+                ", ".join(ignored),
+                "takes" if len(ignored) == 1 else "take",
+                BACKEND_KEY,
+                BACKEND,
+                BACKEND_KEY,
+            )
         return None
     if config.stages:
         missing = unsupported(vllm_config)
@@ -225,9 +231,10 @@ def warn_unknown_keys(extra: dict) -> None:
             logger.warning(
                 "additional_config key %s is not a GLM-5-Next specialized "
                 "decode setting and is ignored%s (valid keys: %s).",
-                echo(key), f"; did you mean {near!r}?" if near else "",
+                echo(key),
+                f"; did you mean {near!r}?" if near else "",
                 ", ".join(CONFIG_KEYS),
-            )  # fmt: skip
+            )
 
 
 def _tail(variable: str) -> str:
@@ -250,8 +257,10 @@ def warn_unknown_variables(environ) -> None:
         logger.warning(
             "environment variable %s is not a GLM-5-Next specialized decode "
             "variable and is ignored%s (valid variables: %s).",
-            name, f"; did you mean {near}?" if near else "", ", ".join(ENV_VARS),
-        )  # fmt: skip
+            name,
+            f"; did you mean {near}?" if near else "",
+            ", ".join(ENV_VARS),
+        )
 
 
 def unsupported(vllm_config) -> list[str]:

@@ -29,48 +29,92 @@ from .runtime.remap import FusedRemap
 from .runtime.stage import KpoolStage
 
 __all__ = [
-    "FusedRemap", "KpoolStage", "Refused", "expand_and_remap", "expand_pools",
-    "kpool_update", "select_topk", "upcast_logits",
-]  # fmt: skip
+    "FusedRemap",
+    "KpoolStage",
+    "Refused",
+    "expand_and_remap",
+    "expand_pools",
+    "kpool_update",
+    "select_topk",
+    "upcast_logits",
+]
 
 
 def kpool_update(
-    kv_cache: torch.Tensor, tail_kv_cache: torch.Tensor,
-    tail_slot_mapping: torch.Tensor, key: torch.Tensor, slot_score: torch.Tensor,
-    ape: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
-    pool_size: int, *, mx_scales: bool = True, round_scale: bool = True,
-) -> None:  # fmt: skip
+    kv_cache: torch.Tensor,
+    tail_kv_cache: torch.Tensor,
+    tail_slot_mapping: torch.Tensor,
+    key: torch.Tensor,
+    slot_score: torch.Tensor,
+    ape: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    pool_size: int,
+    *,
+    mx_scales: bool = True,
+    round_scale: bool = True,
+) -> None:
     """``UpdateKernel``'s contract (``head_dim`` 128)."""
     UPDATE(
-        kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape,
-        slot_mapping, positions, pool_size, DIM, mx_scales=mx_scales,
+        kv_cache,
+        tail_kv_cache,
+        tail_slot_mapping,
+        key,
+        slot_score,
+        ape,
+        slot_mapping,
+        positions,
+        pool_size,
+        DIM,
+        mx_scales=mx_scales,
         round_scale=round_scale,
-    )  # fmt: skip
+    )
 
 
 def expand_pools(
-    pool_ids: torch.Tensor, seq_lens: torch.Tensor, pool_size: int, *,
-    seq_offset: int = 0, out: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    pool_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    pool_size: int,
+    *,
+    seq_offset: int = 0,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """``ExpandKernel``'s contract; returns ``out``."""
     return EXPAND(
-        pool_ids=pool_ids, seq_lens=seq_lens, pool_size=pool_size,
-        seq_offset=seq_offset, out=out,
-    )  # fmt: skip
+        pool_ids=pool_ids,
+        seq_lens=seq_lens,
+        pool_size=pool_size,
+        seq_offset=seq_offset,
+        out=out,
+    )
 
 
 def expand_and_remap(
-    pool_ids: torch.Tensor, positions: torch.Tensor, pool_size: int,
-    req_ids: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
-    counts: torch.Tensor | None = None, *, block_size: int, stride_rows: int,
+    pool_ids: torch.Tensor,
+    positions: torch.Tensor,
+    pool_size: int,
+    req_ids: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    counts: torch.Tensor | None = None,
+    *,
+    block_size: int,
+    stride_rows: int,
     seq_offset: int = 1,
-) -> None:  # fmt: skip
+) -> None:
     """``RemapKernel``'s contract."""
     REMAP(
-        pool_ids=pool_ids, positions=positions, pool_size=pool_size,
-        req_ids=req_ids, block_table=block_table, out=out, counts=counts,
-        block_size=block_size, stride_rows=stride_rows, seq_offset=seq_offset,
-    )  # fmt: skip
+        pool_ids=pool_ids,
+        positions=positions,
+        pool_size=pool_size,
+        req_ids=req_ids,
+        block_table=block_table,
+        out=out,
+        counts=counts,
+        block_size=block_size,
+        stride_rows=stride_rows,
+        seq_offset=seq_offset,
+    )
 
 
 def upcast_logits(
@@ -81,10 +125,14 @@ def upcast_logits(
 
 
 def select_topk(
-    logits: torch.Tensor, ends: torch.Tensor, k: int, *,
-    out: torch.Tensor | None = None, chunks: torch.Tensor | None = None,
+    logits: torch.Tensor,
+    ends: torch.Tensor,
+    k: int,
+    *,
+    out: torch.Tensor | None = None,
+    chunks: torch.Tensor | None = None,
     split: bool | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``SelectKernel``'s contract (``split``: the split select, the same
     bytes; ``chunks`` its workspace); returns the int32 [rows, k] ids."""
     return SELECT(logits=logits, ends=ends, k=k, out=out, chunks=chunks, split=split)

@@ -24,10 +24,19 @@ class KpoolLayerStep(Protocol):
         ...
 
     def decode_rows(
-        self, q, kv_cache: torch.Tensor, weights: torch.Tensor, decode,
-        max_seq_len: int, *, max_model_len: int, topk_tokens: int,
-        topk_backend: str, positions: torch.Tensor | None, buffer: torch.Tensor,
-    ) -> bool:  # fmt: skip
+        self,
+        q,
+        kv_cache: torch.Tensor,
+        weights: torch.Tensor,
+        decode,
+        max_seq_len: int,
+        *,
+        max_model_len: int,
+        topk_tokens: int,
+        topk_backend: str,
+        positions: torch.Tensor | None,
+        buffer: torch.Tensor,
+    ) -> bool:
         """The decode rows from the scores on (into ``buffer``, or handed to
         the conversion); False: the indexer runs them stock."""
         ...
@@ -38,9 +47,14 @@ class KpoolHook(Protocol):
     """``sparse_indexer.SPECIALIZED_KPOOL``."""
 
     def decode_step(
-        self, metadata, layer, positions: torch.Tensor | None, topk_tokens: int,
-        pool_size: int, buffer: torch.Tensor,
-    ) -> KpoolLayerStep | None:  # fmt: skip
+        self,
+        metadata,
+        layer,
+        positions: torch.Tensor | None,
+        topk_tokens: int,
+        pool_size: int,
+        buffer: torch.Tensor,
+    ) -> KpoolLayerStep | None:
         """The decode of ``layer``'s indexer in a planned step of the model
         that owns ``buffer`` (its top-k buffer), else None."""
         ...

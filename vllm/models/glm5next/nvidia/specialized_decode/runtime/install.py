@@ -70,20 +70,28 @@ def install(vllm_config, attentions):
     max_rows = decode_capacity(vllm_config)
     buffer = attentions[0].indexer.topk_indices_buffer
     stage = KpoolStage(
-        attentions, max_rows, buffer.device, mx_scales=mqa_logits_use_mx_scales(),
-        select=config.select, select_one_wave=config.select_one_wave,
-        scores=config.scores, next_n=decode_next_n(vllm_config),
-        self_check=config.self_check, seed=config.self_check_seed,
-    )  # fmt: skip
+        attentions,
+        max_rows,
+        buffer.device,
+        mx_scales=mqa_logits_use_mx_scales(),
+        select=config.select,
+        select_one_wave=config.select_one_wave,
+        scores=config.scores,
+        next_n=decode_next_n(vllm_config),
+        self_check=config.self_check,
+        seed=config.self_check_seed,
+    )
     registry().add(stage, buffer)
     stage.warmup.register()
     logger.info(
         "GLM-5-Next specialized decode: %s installed for decode-only steps of "
         "up to %d rows, on once the JIT warmup compiled and self-checked its "
         "kernels; attention backend %s; DSA layers: %s.",
-        STAGE, max_rows, type(attentions[0].mla_attn.mla_attn.impl).__name__,
+        STAGE,
+        max_rows,
+        type(attentions[0].mla_attn.mla_attn.impl).__name__,
         "; ".join(stage.engagement(attentions)),
-    )  # fmt: skip
+    )
     say_batch_invariance(stage)
     return stage
 

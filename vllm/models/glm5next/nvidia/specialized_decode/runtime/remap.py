@@ -97,18 +97,30 @@ class FusedRemap:
         self.pending = deferred
 
     def __call__(
-        self, stock, layer_index: int, logical: torch.Tensor, req_ids: torch.Tensor,
-        block_table: torch.Tensor, block_size: int, *,
-        block_stride_rows: int | None, return_valid_counts: bool,
-    ):  # fmt: skip
+        self,
+        stock,
+        layer_index: int,
+        logical: torch.Tensor,
+        req_ids: torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
+        *,
+        block_stride_rows: int | None,
+        return_valid_counts: bool,
+    ):
         pending, self.pending = self.pending, None
         if pending is not None:
             if layer_index == 0:
                 stride = block_size if block_stride_rows is None else block_stride_rows
                 fused = self.fused(
-                    pending, logical.shape[0], req_ids, block_table, block_size,
-                    stride, return_valid_counts,
-                )  # fmt: skip
+                    pending,
+                    logical.shape[0],
+                    req_ids,
+                    block_table,
+                    block_size,
+                    stride,
+                    return_valid_counts,
+                )
                 if fused is not None:
                     return fused
             # The stock conversion reads the logical rows: write them, and
@@ -117,28 +129,43 @@ class FusedRemap:
             self.stage.materialize(pending, logical)
             self.group.set_logical_topk_ready(layer_index)
         return stock(
-            layer_index, logical, req_ids, block_table, block_size,
+            layer_index,
+            logical,
+            req_ids,
+            block_table,
+            block_size,
             block_stride_rows=block_stride_rows,
             return_valid_counts=return_valid_counts,
-        )  # fmt: skip
+        )
 
     def fused(
-        self, pending: Deferred, rows: int, req_ids, block_table, block_size: int,
-        stride_rows: int, counts: bool,
-    ):  # fmt: skip
+        self,
+        pending: Deferred,
+        rows: int,
+        req_ids,
+        block_table,
+        block_size: int,
+        stride_rows: int,
+        counts: bool,
+    ):
         """The fused conversion's result, or None where the stage's remap
         does not take it (the caller converts stock)."""
         group = self.group
         if rows > group.physical_topk_indices.shape[0]:
             return None
         arguments = dict(
-            pool_ids=pending.pool_ids, positions=pending.positions, pool_size=POOL,
-            req_ids=req_ids, block_table=block_table,
+            pool_ids=pending.pool_ids,
+            positions=pending.positions,
+            pool_size=POOL,
+            req_ids=req_ids,
+            block_table=block_table,
             out=group.physical_topk_indices[:rows],
             counts=group.valid_topk_counts[:rows] if counts else None,
-            block_size=block_size, stride_rows=stride_rows, seq_offset=1,
+            block_size=block_size,
+            stride_rows=stride_rows,
+            seq_offset=1,
             int32_lengths=True,
-        )  # fmt: skip
+        )
         # The kernel's call in its two halves (``kernel_launcher``'s): the
         # spec decides before the side stream is ordered, so that a refused
         # or unchecked key leaves the streams as stock's conversion finds them.

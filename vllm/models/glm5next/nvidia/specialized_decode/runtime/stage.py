@@ -67,10 +67,19 @@ class LayerStep:
             )
 
     def decode_rows(
-        self, q, kv_cache: torch.Tensor, weights: torch.Tensor, decode,
-        max_seq_len: int, *, max_model_len: int, topk_tokens: int,
-        topk_backend: str, positions: torch.Tensor | None, buffer: torch.Tensor,
-    ) -> bool:  # fmt: skip
+        self,
+        q,
+        kv_cache: torch.Tensor,
+        weights: torch.Tensor,
+        decode,
+        max_seq_len: int,
+        *,
+        max_model_len: int,
+        topk_tokens: int,
+        topk_backend: str,
+        positions: torch.Tensor | None,
+        buffer: torch.Tensor,
+    ) -> bool:
         """The stock decode from the scores on: DeepGEMM's paged scores (or
         the opt-in scores: ``scores``), ``as_fp32_logits``, the pool top-k
         (``get_indexer_topk``, or the opt-in select), then the expansion into
@@ -84,7 +93,7 @@ class LayerStep:
         histogram = self.histogram(rows, max_model_len)
         logits, counted = self.scores(
             q, kv_cache, weights, seq_lens, decode, max_model_len, histogram
-        )  # fmt: skip
+        )
         ends = seq_lens.view(-1)
         stage = self.stage
         pool_ids = stage.pool_ids(rows, k, logits.device, self.deferring)
@@ -112,9 +121,15 @@ class LayerStep:
         return stage.histogram[:rows]
 
     def scores(
-        self, q, kv_cache, weights, seq_lens, decode, max_model_len: int,
+        self,
+        q,
+        kv_cache,
+        weights,
+        seq_lens,
+        decode,
+        max_model_len: int,
         histogram: torch.Tensor | None = None,
-    ):  # fmt: skip
+    ):
         """``(fp8_fp4_paged_mqa_logits(q, kv_cache, weights, seq_lens,
         decode.block_table, decode.schedule_metadata, max_model_len=
         max_model_len, indices=decode.indices), counted)``: where the
@@ -130,17 +145,27 @@ class LayerStep:
                 # The real heads of vLLM's zero-padded ones (``served_heads``).
                 ours = ((q[0][:, :, :heads], q[1]), weights[:, :heads])
             logits = self.stage.kernels.scores.serve(
-                q=ours[0], kv_cache=kv_cache, weights=ours[1], seq_lens=seq_lens,
-                block_table=decode.block_table, max_model_len=max_model_len,
-                indices=decode.indices, histogram=histogram,
-            )  # fmt: skip
+                q=ours[0],
+                kv_cache=kv_cache,
+                weights=ours[1],
+                seq_lens=seq_lens,
+                block_table=decode.block_table,
+                max_model_len=max_model_len,
+                indices=decode.indices,
+                histogram=histogram,
+            )
             if logits is not STOCK:
                 return logits, histogram is not None
         logits = fp8_fp4_paged_mqa_logits(
-            q, kv_cache, weights, seq_lens, decode.block_table,
-            decode.schedule_metadata, max_model_len=max_model_len,
+            q,
+            kv_cache,
+            weights,
+            seq_lens,
+            decode.block_table,
+            decode.schedule_metadata,
+            max_model_len=max_model_len,
             indices=decode.indices,
-        )  # fmt: skip
+        )
         return logits, False
 
     def select_runs(self, rows: int, width: int, dtype: torch.dtype) -> bool:
@@ -165,7 +190,7 @@ class LayerStep:
         chunks = self.stage.chunks
         ran = select.serve(
             logits=logits, ends=ends, k=k, out=out, histogram=histogram, chunks=chunks
-        )  # fmt: skip
+        )
         if ran is STOCK and histogram is not None:
             histogram.zero_()
             ran = select.serve(logits=logits, ends=ends, k=k, out=out, chunks=chunks)
@@ -190,10 +215,19 @@ class KpoolStage:
     """
 
     def __init__(
-        self, attentions, max_rows: int, device, *, mx_scales: bool,
-        select: bool = False, select_one_wave: bool = False, scores: bool = False,
-        next_n: int = 1, self_check: str = "on", seed: int | None = None,
-    ):  # fmt: skip
+        self,
+        attentions,
+        max_rows: int,
+        device,
+        *,
+        mx_scales: bool,
+        select: bool = False,
+        select_one_wave: bool = False,
+        scores: bool = False,
+        next_n: int = 1,
+        self_check: str = "on",
+        seed: int | None = None,
+    ):
         attentions = list(attentions)
         self.max_rows, self.mx_scales, self.select = max_rows, mx_scales, select
         self.select_one_wave = select and select_one_wave
@@ -231,9 +265,13 @@ class KpoolStage:
         # whole by each verdict (empty: the stage is off).
         self.executors: dict = {}
         self.kernels = StageKernels(
-            UpdateKernel(self), ExpandKernel(self), RemapKernel(self),
-            UpcastKernel(self), SelectKernel(self), ScoresKernel(self),
-        )  # fmt: skip
+            UpdateKernel(self),
+            ExpandKernel(self),
+            RemapKernel(self),
+            UpcastKernel(self),
+            SelectKernel(self),
+            ScoresKernel(self),
+        )
         device = torch.device(device)
         # A CUDA tensor's device always carries its index.
         self.sms = sm_count(device.index or 0) if select else 0
@@ -319,9 +357,14 @@ class KpoolStage:
         )
 
     def decode_step(
-        self, metadata, layer, positions, topk_tokens: int, pool_size: int,
+        self,
+        metadata,
+        layer,
+        positions,
+        topk_tokens: int,
+        pool_size: int,
         buffer: torch.Tensor,
-    ) -> LayerStep | None:  # fmt: skip
+    ) -> LayerStep | None:
         """``hook.KpoolHook.decode_step`` for this stage. The step defers its
         pool top-k where its rows are the decode tokens in order (no
         prefill, padding or short causal fill) of a fused layer, within the
@@ -335,10 +378,13 @@ class KpoolStage:
             and not metadata.decode.requires_padding
             and metadata.max_seq_len > topk_tokens
             and self.defers(
-                layer, metadata.num_decode_tokens, topk_tokens // pool_size,
-                pool_size, buffer.shape[1],
+                layer,
+                metadata.num_decode_tokens,
+                topk_tokens // pool_size,
+                pool_size,
+                buffer.shape[1],
             )
-        ):  # fmt: skip
+        ):
             remap = self.remaps[str(layer)]
         return LayerStep(self, remap)
 

@@ -205,9 +205,13 @@ class StageWarmup:
                 logger.info(
                     "GLM-5-Next specialized decode: self-check passed: %d kernel "
                     "variants x %d cases, seed %d, %.2f s; %s on%s.",
-                    len(executors), self_check.CASES, self.seed, elapsed, STAGE,
+                    len(executors),
+                    self_check.CASES,
+                    self.seed,
+                    elapsed,
+                    STAGE,
                     f" (all {ranks} TP ranks passed)" if ranks > 1 else "",
-                )  # fmt: skip
+                )
             self.stage.executors = executors
             return
         # Off, whatever an earlier verdict gave it.

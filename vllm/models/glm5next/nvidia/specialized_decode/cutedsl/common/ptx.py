@@ -44,10 +44,16 @@ def inline_ptx(result=None, *, pure=False):
             else:
                 ir_type = result.mlir_type
             value = llvm.inline_asm(
-                ir_type, values, code, constraints, has_side_effects=not pure,
-                is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc,
+                ir_type,
+                values,
+                code,
+                constraints,
+                has_side_effects=not pure,
+                is_align_stack=False,
+                asm_dialect=llvm.AsmDialect.AD_ATT,
+                loc=loc,
                 ip=ip,
-            )  # fmt: skip
+            )
             if result is None:
                 return None
             if isinstance(result, tuple):

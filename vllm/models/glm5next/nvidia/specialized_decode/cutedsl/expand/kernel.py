@@ -29,13 +29,19 @@ class ExpandPools:
 
     @cute.jit
     def __call__(
-        self, pool_ids: cute.Tensor, seq_lens: cute.Tensor, out: cute.Tensor,
-        seq_offset: Int32, stream: cuda.CUstream,
-    ):  # fmt: skip
+        self,
+        pool_ids: cute.Tensor,
+        seq_lens: cute.Tensor,
+        out: cute.Tensor,
+        seq_offset: Int32,
+        stream: cuda.CUstream,
+    ):
         self.kernel(pool_ids, seq_lens, out, seq_offset).launch(
-            grid=(pool_ids.shape[0], self.ctas, 1), block=(THREADS, 1, 1),
-            stream=stream, use_pdl=True,
-        )  # fmt: skip
+            grid=(pool_ids.shape[0], self.ctas, 1),
+            block=(THREADS, 1, 1),
+            stream=stream,
+            use_pdl=True,
+        )
 
     @cute.kernel
     def kernel(self, pool_ids, seq_lens, out, seq_offset):

@@ -35,10 +35,14 @@ def check(pool_ids, seq_lens, pool_size, seq_offset, out) -> None:
     rows, groups = pool_ids.shape
     size, stride = out.shape, out.stride()
     if (
-        out.dtype is not torch.int32 or len(size) != 2 or size[0] != rows
-        or size[1] < groups * POOL + POOL - 1 or stride[1] != 1 or stride[0] % 4
+        out.dtype is not torch.int32
+        or len(size) != 2
+        or size[0] != rows
+        or size[1] < groups * POOL + POOL - 1
+        or stride[1] != 1
+        or stride[0] % 4
         or out.data_ptr() % 16
-    ):  # fmt: skip
+    ):
         expected = "int32 [rows, >= pools * 4 + 3], unit column stride, 16-byte "
         raise mismatch("out", expected + "aligned rows", layout(out))
     check_vector("seq_lens", seq_lens, rows, "int32/int64 [>= rows], unit stride")
@@ -62,10 +66,15 @@ class ExpandKernel(KpoolKernel["ExpandKernel.CompileKey"]):
     kernel = ExpandPools
 
     def spec(
-        self, *, pool_ids: torch.Tensor, seq_lens: torch.Tensor, pool_size: int,
-        seq_offset: int = 0, out: torch.Tensor | None = None,
+        self,
+        *,
+        pool_ids: torch.Tensor,
+        seq_lens: torch.Tensor,
+        pool_size: int,
+        seq_offset: int = 0,
+        out: torch.Tensor | None = None,
         int32_lengths: bool = False,
-    ):  # fmt: skip
+    ):
         check(pool_ids, seq_lens, pool_size, seq_offset, out)
         key = self.dispatch(
             groups=pool_ids.shape[1],

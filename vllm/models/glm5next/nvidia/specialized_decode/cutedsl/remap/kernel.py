@@ -34,15 +34,23 @@ class ExpandRemap:
 
     @cute.jit
     def __call__(
-        self, pool_ids: cute.Tensor, positions: cute.Tensor, req_ids: cute.Tensor,
-        block_table: cute.Tensor, out: cute.Tensor, counts: cute.Tensor | None,
-        seq_offset: Int32, stream: cuda.CUstream,
-    ):  # fmt: skip
+        self,
+        pool_ids: cute.Tensor,
+        positions: cute.Tensor,
+        req_ids: cute.Tensor,
+        block_table: cute.Tensor,
+        out: cute.Tensor,
+        counts: cute.Tensor | None,
+        seq_offset: Int32,
+        stream: cuda.CUstream,
+    ):
         args = (pool_ids, positions, req_ids, block_table, out, counts, seq_offset)
         self.kernel(*args).launch(
-            grid=(req_ids.shape[0], 1, 1), block=(self.groups, 1, 1), stream=stream,
+            grid=(req_ids.shape[0], 1, 1),
+            block=(self.groups, 1, 1),
+            stream=stream,
             use_pdl=True,
-        )  # fmt: skip
+        )
 
     @cute.jit
     def slot(self, block_table, req, token, max_blocks):

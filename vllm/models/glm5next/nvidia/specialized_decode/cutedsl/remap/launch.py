@@ -56,9 +56,10 @@ def check_blocks(block_size, stride_rows) -> None:
     ``Refused``): its block arithmetic is int32 (``block_size`` is a power
     of two or a multiple of 4 that the MLA cache takes)."""
     if (
-        not isinstance(block_size, int) or block_size % POOL
+        not isinstance(block_size, int)
+        or block_size % POOL
         or not 0 < block_size <= INT32_MAX
-    ):  # fmt: skip
+    ):
         raise mismatch("block_size", "a positive int32 multiple of 4", block_size)
     check_int32("stride_rows", stride_rows)
 
@@ -78,24 +79,40 @@ def remap_takes(groups: int, width: int, pool_size: int = POOL, layout=None):
 
 
 def check(
-    pool_ids, positions, pool_size, req_ids, block_table, out, counts, block_size,
-    stride_rows, seq_offset,
-) -> None:  # fmt: skip
+    pool_ids,
+    positions,
+    pool_size,
+    req_ids,
+    block_table,
+    out,
+    counts,
+    block_size,
+    stride_rows,
+    seq_offset,
+) -> None:
     """``RemapKernel``'s rule (raises ``Refused``)."""
     check_devices(
         ("pool_ids", "positions", "req_ids", "block_table", "out", "counts"),
-        pool_ids, positions, req_ids, block_table, out, counts,
+        pool_ids,
+        positions,
+        req_ids,
+        block_table,
+        out,
+        counts,
         optional=("counts",),
-    )  # fmt: skip
+    )
     check_pool_ids(pool_ids)
     if req_ids.dtype is not torch.int32 or req_ids.stride() != (1,):
         raise mismatch("req_ids", "int32 [rows], unit stride", layout(req_ids))
     rows = req_ids.shape[0]
     size = out.shape
     if (
-        out.dtype is not torch.int32 or len(size) != 2 or size[0] != rows
-        or not out.is_contiguous() or out.data_ptr() % 16
-    ):  # fmt: skip
+        out.dtype is not torch.int32
+        or len(size) != 2
+        or size[0] != rows
+        or not out.is_contiguous()
+        or out.data_ptr() % 16
+    ):
         expected = "a contiguous 16-byte aligned int32 [rows of req_ids, width]"
         raise mismatch("out", expected, layout(out))
     check_shape(pool_ids.shape[1], size[1], pool_size, counts is not None)
@@ -139,20 +156,41 @@ class RemapKernel(KpoolKernel["RemapKernel.CompileKey"]):
     kernel = ExpandRemap
 
     def spec(
-        self, *, pool_ids: torch.Tensor, positions: torch.Tensor, pool_size: int,
-        req_ids: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
-        counts: torch.Tensor | None = None, block_size: int, stride_rows: int,
-        seq_offset: int = 1, int32_lengths: bool = False,
-    ):  # fmt: skip
+        self,
+        *,
+        pool_ids: torch.Tensor,
+        positions: torch.Tensor,
+        pool_size: int,
+        req_ids: torch.Tensor,
+        block_table: torch.Tensor,
+        out: torch.Tensor,
+        counts: torch.Tensor | None = None,
+        block_size: int,
+        stride_rows: int,
+        seq_offset: int = 1,
+        int32_lengths: bool = False,
+    ):
         check(
-            pool_ids, positions, pool_size, req_ids, block_table, out, counts,
-            block_size, stride_rows, seq_offset,
-        )  # fmt: skip
+            pool_ids,
+            positions,
+            pool_size,
+            req_ids,
+            block_table,
+            out,
+            counts,
+            block_size,
+            stride_rows,
+            seq_offset,
+        )
         key = self.dispatch(
-            groups=pool_ids.shape[1], width=out.shape[1], block_size=block_size,
-            stride_rows=stride_rows, positions_dtype=positions.dtype,
-            int32_lengths=bool(int32_lengths), counts=counts is not None,
-        )  # fmt: skip
+            groups=pool_ids.shape[1],
+            width=out.shape[1],
+            block_size=block_size,
+            stride_rows=stride_rows,
+            positions_dtype=positions.dtype,
+            int32_lengths=bool(int32_lengths),
+            counts=counts is not None,
+        )
         args = None
         if req_ids.shape[0]:
             args = (pool_ids, positions, req_ids, block_table, out, counts, seq_offset)

@@ -197,7 +197,7 @@ class KpoolScores:
             block_table,
             logits,
             histogram,
-        ).launch(  # fmt: skip
+        ).launch(
             grid=(splits, entries, 1),
             block=(THREADS, 1, 1),
             stream=stream,
@@ -274,9 +274,22 @@ class KpoolScores:
             )
             if warp == PRODUCER:
                 self.produce(
-                    tma_q, q_smem, q_gmem, tma_k, k_gmem, k_smem, tma_s, s_gmem,
-                    s_smem, bars, block_table, entry, pages_used, first, last,
-                )  # fmt: skip
+                    tma_q,
+                    q_smem,
+                    q_gmem,
+                    tma_k,
+                    k_gmem,
+                    k_smem,
+                    tma_s,
+                    s_gmem,
+                    s_smem,
+                    bars,
+                    block_table,
+                    entry,
+                    pages_used,
+                    first,
+                    last,
+                )
             else:
                 # The weights of the entry's rows, (next_n, heads) in order.
                 row0 = entry * self.next_n
@@ -293,9 +306,19 @@ class KpoolScores:
                     ]
                 cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMERS)
                 self.tiles(
-                    s_q, s_tiles, s_scale, s_w, s_hist, bars, logits, entry, ctx,
-                    ends, first, last,
-                )  # fmt: skip
+                    s_q,
+                    s_tiles,
+                    s_scale,
+                    s_w,
+                    s_hist,
+                    bars,
+                    logits,
+                    entry,
+                    ctx,
+                    ends,
+                    first,
+                    last,
+                )
                 if cutlass.const_expr(self.counts):
                     cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMERS)
                     self.add_counts(s_hist, histogram, row0, tid)
@@ -339,9 +362,23 @@ class KpoolScores:
 
     @cute.jit
     def produce(
-        self, tma_q, q_smem, q_gmem, tma_k, k_gmem, k_smem, tma_s, s_gmem, s_smem,
-        bars, block_table, entry, pages_used, first, last,
-    ):  # fmt: skip
+        self,
+        tma_q,
+        q_smem,
+        q_gmem,
+        tma_k,
+        k_gmem,
+        k_smem,
+        tma_s,
+        s_gmem,
+        s_smem,
+        bars,
+        block_table,
+        entry,
+        pages_used,
+        first,
+        last,
+    ):
         """The producer warp: the query, then each tile's copies into its
         stage, once the consumers released the stage's previous tile."""
         lane = cute.arch.lane_idx()
@@ -357,15 +394,38 @@ class KpoolScores:
                 empty = bars + STAGES + (i & (STAGES - 1))
                 cute.arch.mbarrier_wait(empty, ((i >> STAGE_BITS) - 1) & 1)
             window = self.issue(
-                tma_k, k_gmem, k_smem, tma_s, s_gmem, s_smem, bars,
-                block_table, entry, pages_used, first, t, window,
-            )  # fmt: skip
+                tma_k,
+                k_gmem,
+                k_smem,
+                tma_s,
+                s_gmem,
+                s_smem,
+                bars,
+                block_table,
+                entry,
+                pages_used,
+                first,
+                t,
+                window,
+            )
 
     @cute.jit
     def issue(
-        self, tma_k, k_gmem, k_smem, tma_s, s_gmem, s_smem, bars,
-        block_table, entry, pages_used, first, t, window,
-    ):  # fmt: skip
+        self,
+        tma_k,
+        k_gmem,
+        k_smem,
+        tma_s,
+        s_gmem,
+        s_smem,
+        bars,
+        block_table,
+        entry,
+        pages_used,
+        first,
+        t,
+        window,
+    ):
         """The producer issues tile ``t``'s copies into its stage. Lane ``j`` holds
         the page of the CTA's ``j``-th page slot of the current 32 in
         ``window`` (one coalesced load per 32 pages); page slots past the
@@ -407,15 +467,30 @@ class KpoolScores:
                 row = row0 + c // HISTOGRAM
                 at = histogram.iterator + Int64(row) * histogram.stride[0]
                 cute.arch.red(
-                    at + c % HISTOGRAM, count, op="add", dtype=Int32, sem="relaxed",
+                    at + c % HISTOGRAM,
+                    count,
+                    op="add",
+                    dtype=Int32,
+                    sem="relaxed",
                     scope="gpu",
-                )  # fmt: skip
+                )
 
     @cute.jit
     def tiles(
-        self, s_q, s_tiles, s_scale, s_w, s_hist, bars, logits, entry, ctx, ends,
-        first, last,
-    ):  # fmt: skip
+        self,
+        s_q,
+        s_tiles,
+        s_scale,
+        s_w,
+        s_hist,
+        bars,
+        logits,
+        entry,
+        ctx,
+        ends,
+        first,
+        last,
+    ):
         """The consumer warpgroup: each tile's wgmma, the release of its
         stage, its epilogue."""
         tid, _, _ = cute.arch.thread_idx()
@@ -461,9 +536,18 @@ class KpoolScores:
             # reads above): the producer refills it once all have arrived.
             cute.arch.mbarrier_arrive(bars + STAGES + stage)
             self.epilogue(
-                acc, s_w, weights, scale0, scale1, logits, entry, t * TILE + r0, ctx,
-                s_hist, ends,
-            )  # fmt: skip
+                acc,
+                s_w,
+                weights,
+                scale0,
+                scale1,
+                logits,
+                entry,
+                t * TILE + r0,
+                ctx,
+                s_hist,
+                ends,
+            )
 
     def thread_weights(self, s_w):
         """This thread's weights, ``[row][j][parity]`` for head ``8 j + 2 *
@@ -486,9 +570,19 @@ class KpoolScores:
 
     @cute.jit
     def epilogue(
-        self, acc, s_w, weights, scale0, scale1, logits, entry, pool0, ctx, s_hist,
+        self,
+        acc,
+        s_w,
+        weights,
+        scale0,
+        scale1,
+        logits,
+        entry,
+        pool0,
+        ctx,
+        s_hist,
         ends,
-    ):  # fmt: skip
+    ):
         lane = cute.arch.lane_idx()
         quad = lane % 4
         groups = self.heads // 8

@@ -58,15 +58,23 @@ def row_stride(width: int) -> int:
 
 
 def check(
-    q, kv_cache, weights, seq_lens, block_table, max_model_len, out, indices=None,
+    q,
+    kv_cache,
+    weights,
+    seq_lens,
+    block_table,
+    max_model_len,
+    out,
+    indices=None,
     histogram=None,
-) -> None:  # fmt: skip
+) -> None:
     """What ``KpoolScores`` takes (raises ``Refused``)."""
     if indices is not None:
         raise mismatch(
-            "indices", "None (SM90's batched decode; the varlen form is SM100's)",
+            "indices",
+            "None (SM90's batched decode; the varlen form is SM100's)",
             layout(indices) if isinstance(indices, torch.Tensor) else indices,
-        )  # fmt: skip
+        )
     if not isinstance(q, tuple) or len(q) != 2:
         raise mismatch("q", "a (values, scales) tuple", type(q).__name__)
     values, scales = q
@@ -74,9 +82,15 @@ def check(
         raise mismatch("q", "no query scales (SM90 folds them into weights)", scales)
     check_devices(
         ("q", "kv_cache", "weights", "seq_lens", "block_table", "out", "histogram"),
-        values, kv_cache, weights, seq_lens, block_table, out, histogram,
+        values,
+        kv_cache,
+        weights,
+        seq_lens,
+        block_table,
+        out,
+        histogram,
         optional=("out", "histogram"),
-    )  # fmt: skip
+    )
     if (
         values.dtype != torch.float8_e4m3fn
         or values.dim() != 4
@@ -218,9 +232,16 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
         histogram: torch.Tensor | None = None,
     ):
         check(
-            q, kv_cache, weights, seq_lens, block_table, max_model_len, out, indices,
+            q,
+            kv_cache,
+            weights,
+            seq_lens,
+            block_table,
+            max_model_len,
+            out,
+            indices,
             histogram,
-        )  # fmt: skip
+        )
         values = q[0]
         entries, next_n, heads, _ = values.shape
         if out is None:
@@ -228,9 +249,11 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
                 (entries * next_n, row_stride(max_model_len)), dtype=torch.float32
             )[:, :max_model_len]
         key = self.dispatch(
-            heads=heads, next_n=next_n, block=kv_cache.shape[1],
+            heads=heads,
+            next_n=next_n,
+            block=kv_cache.shape[1],
             histogram=histogram is not None,
-        )  # fmt: skip
+        )
         splits = splits_for(entries, max_model_len, sm_count(values.get_device()))
         tensors = (values, kv_cache, weights, seq_lens, block_table, out, histogram)
         args = (*tensors, Int32(splits)) if entries else None
@@ -245,9 +268,11 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
         # vLLM's padded heads, or contiguous).
         rows = (cute.sym_int64(divisibility=16), cute.sym_int64(divisibility=16))
         q = make_fake_tensor(
-            Float8E4M3FN, (entries, next_n, heads, DIM), (*rows, DIM, 1),
+            Float8E4M3FN,
+            (entries, next_n, heads, DIM),
+            (*rows, DIM, 1),
             assumed_align=16,
-        )  # fmt: skip
+        )
         kv = make_fake_tensor(
             Uint8,
             (cute.sym_int(), block, 1, DIM + 4),
@@ -264,15 +289,19 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
             Int32, (entries, cute.sym_int()), (cute.sym_int64(), 1), assumed_align=4
         )
         logits = make_fake_tensor(
-            Float32, (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), 1),
+            Float32,
+            (cute.sym_int(), cute.sym_int()),
+            (cute.sym_int64(), 1),
             assumed_align=4,
-        )  # fmt: skip
+        )
         histogram = None
         if compile_key.histogram:
             histogram = make_fake_tensor(
-                Int32, (cute.sym_int(), HISTOGRAM), (cute.sym_int64(), 1),
+                Int32,
+                (cute.sym_int(), HISTOGRAM),
+                (cute.sym_int64(), 1),
                 assumed_align=4,
-            )  # fmt: skip
+            )
         return q, kv, weights, seq_lens, block_table, logits, histogram, Int32(1)
 
 

@@ -60,19 +60,28 @@ class FedSelectTopk(SelectTopk):
 
     @cute.jit
     def __call__(
-        self, logits: cute.Tensor, ends: cute.Tensor, histogram: cute.Tensor,
-        out: cute.Tensor, stream: cuda.CUstream,
-    ):  # fmt: skip
+        self,
+        logits: cute.Tensor,
+        ends: cute.Tensor,
+        histogram: cute.Tensor,
+        out: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
         self.kernel(logits, ends, histogram, out).launch(
-            grid=(out.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream,
+            grid=(out.shape[0], 1, 1),
+            block=(THREADS, 1, 1),
+            stream=stream,
             use_pdl=True,
-        )  # fmt: skip
+        )
 
     @cute.kernel
     def kernel(
-        self, logits: cute.Tensor, ends: cute.Tensor, histogram: cute.Tensor,
+        self,
+        logits: cute.Tensor,
+        ends: cute.Tensor,
+        histogram: cute.Tensor,
         out: cute.Tensor,
-    ):  # fmt: skip
+    ):
         row, _, _ = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
         shared = self.allocate()
@@ -275,17 +284,36 @@ class FedSelectTopk(SelectTopk):
                     hot = hot | Int32(key >= hot_low)
                 if cute.arch.vote_any_sync((hot & ok) != 0):
                     zeros, seen_above, seen_bin = self.visit_vector(
-                        keys, v, ok, shared, mode, p, low, cut, skip_zero,
-                        zeros, seen_above, seen_bin,
-                    )  # fmt: skip
+                        keys,
+                        v,
+                        ok,
+                        shared,
+                        mode,
+                        p,
+                        low,
+                        cut,
+                        skip_zero,
+                        zeros,
+                        seen_above,
+                        seen_bin,
+                    )
         if tid == 0:
             # The row end's last columns, one at a time.
             for i in cutlass.range(full * 4, end, unroll=1):
                 key = _key32(load_words_if(base + i, 1, True)[0])
                 zeros, seen_above, seen_bin = self.visit_key(
-                    key, i, shared, mode, p, low, cut, skip_zero,
-                    zeros, seen_above, seen_bin,
-                )  # fmt: skip
+                    key,
+                    i,
+                    shared,
+                    mode,
+                    p,
+                    low,
+                    cut,
+                    skip_zero,
+                    zeros,
+                    seen_above,
+                    seen_bin,
+                )
         zeros = cute.arch.warp_redux_sync(zeros, "add")
         seen_above = cute.arch.warp_redux_sync(seen_above, "add")
         seen_bin = cute.arch.warp_redux_sync(seen_bin, "add")
@@ -325,9 +353,20 @@ class FedSelectTopk(SelectTopk):
 
     @cute.jit
     def visit_vector(
-        self, keys, v, ok, shared, mode, p, low, cut, skip_zero, zeros,
-        seen_above, seen_bin,
-    ):  # fmt: skip
+        self,
+        keys,
+        v,
+        ok,
+        shared,
+        mode,
+        p,
+        low,
+        cut,
+        skip_zero,
+        zeros,
+        seen_above,
+        seen_bin,
+    ):
         """``visit_row``'s keys of vector ``v`` (columns ``4 v`` on), the
         whole warp at once: 8 lanes' 32 columns are one word of a bitmap."""
         hist, _, found, copied_keys, copied_columns, above, equal = shared
@@ -385,9 +424,19 @@ class FedSelectTopk(SelectTopk):
 
     @cute.jit
     def visit_key(
-        self, key, column, shared, mode, p, low, cut, skip_zero, zeros,
-        seen_above, seen_bin,
-    ):  # fmt: skip
+        self,
+        key,
+        column,
+        shared,
+        mode,
+        p,
+        low,
+        cut,
+        skip_zero,
+        zeros,
+        seen_above,
+        seen_bin,
+    ):
         """``visit_row``'s one key at ``column``, one thread alone."""
         hist, _, found, copied_keys, copied_columns, above, equal = shared
         bit = Uint32(1) << Uint32(column % 32)

@@ -171,16 +171,22 @@ class SelectTopk:
 
     @cute.jit
     def __call__(
-        self, logits: cute.Tensor, ends: cute.Tensor, out: cute.Tensor,
+        self,
+        logits: cute.Tensor,
+        ends: cute.Tensor,
+        out: cute.Tensor,
         stream: cuda.CUstream,
-    ):  # fmt: skip
+    ):
         self.kernel(logits, ends, out).launch(
-            grid=(out.shape[0] * self.cluster, 1, 1), block=(THREADS, 1, 1),
-            cluster=(self.cluster, 1, 1), stream=stream, use_pdl=True,
+            grid=(out.shape[0] * self.cluster, 1, 1),
+            block=(THREADS, 1, 1),
+            cluster=(self.cluster, 1, 1),
+            stream=stream,
+            use_pdl=True,
             min_blocks_per_mp=ctas_per_sm(self.capacity),
             # Set, so that the build asks no device for its shared memory.
             preferred_smem_carveout=100,
-        )  # fmt: skip
+        )
 
     @cute.kernel
     def kernel(self, logits: cute.Tensor, ends: cute.Tensor, out: cute.Tensor):
@@ -426,9 +432,17 @@ class SelectTopk:
                     digit, above, early = found[0], found[1], found[4]
                 else:
                     digit, above, share, early = self.merge_find(
-                        p, prefix, shift, hist, current, remaining, tid, rank,
-                        totals, found,
-                    )  # fmt: skip
+                        p,
+                        prefix,
+                        shift,
+                        hist,
+                        current,
+                        remaining,
+                        tid,
+                        rank,
+                        totals,
+                        found,
+                    )
                 prefix = prefix | (Uint32(digit) << Uint32(shift))
                 remaining = remaining - above
                 above_share = above_share + share

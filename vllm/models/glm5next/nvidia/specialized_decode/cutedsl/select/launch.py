@@ -111,9 +111,13 @@ def split_capacity(width: int, k: int) -> int:
 
 
 def split_chunk(
-    rows: int, width: int, k: int, dtype: torch.dtype, sms: int,
+    rows: int,
+    width: int,
+    k: int,
+    dtype: torch.dtype,
+    sms: int,
     split: bool | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """``SPLIT_CHUNK`` where the split select runs, else 0: wherever it
     takes the width and ``k`` if ``split``; if None, where
     ``SPLIT_PAST_ONE_WAVE`` routes it, past one wave of clusters."""
@@ -147,17 +151,25 @@ def check(logits, ends, k, out, histogram=None, chunks=None, split=None) -> None
     """What ``SelectTopk`` (and with ``histogram``, ``FedSelectTopk``; with
     ``split``, ``SplitSelectTopk``) takes (raises ``Refused``)."""
     check_devices(
-        ("logits", "ends", "out", "histogram", "chunks"), logits, ends, out,
-        histogram, chunks, optional=("out", "histogram", "chunks"),
-    )  # fmt: skip
+        ("logits", "ends", "out", "histogram", "chunks"),
+        logits,
+        ends,
+        out,
+        histogram,
+        chunks,
+        optional=("out", "histogram", "chunks"),
+    )
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
         raise mismatch("k", f"an int in [1, {MAX_K}]", k)
     stride = logits.stride()
     vector = VECTOR.get(logits.dtype)
     if (
-        vector is None or len(stride) != 2 or stride[1] != 1 or stride[0] % vector
+        vector is None
+        or len(stride) != 2
+        or stride[1] != 1
+        or stride[0] % vector
         or logits.data_ptr() % 16
-    ):  # fmt: skip
+    ):
         expected = "fp32/bf16 [rows, width], unit column stride, 16-byte aligned rows"
         raise mismatch("logits", expected, layout(logits))
     if not slice_capacity(logits.shape[1], logits.dtype, CLUSTERS[-1]):
@@ -168,9 +180,10 @@ def check(logits, ends, k, out, histogram=None, chunks=None, split=None) -> None
     expected = "int32 [>= rows of logits], unit stride"
     check_vector("ends", ends, rows, expected, (torch.int32,))
     if out is not None and (
-        out.dtype is not torch.int32 or tuple(out.shape) != (rows, k)
+        out.dtype is not torch.int32
+        or tuple(out.shape) != (rows, k)
         or out.stride(1) != 1
-    ):  # fmt: skip
+    ):
         expected = f"int32 [rows of logits, k = {k}], unit column stride"
         raise mismatch("out", expected, layout(out))
     if split is not None and not isinstance(split, bool):
@@ -204,10 +217,14 @@ def check_chunks(chunks, chunk_rows: int, k: int) -> None:
     """The split select's workspace: ``chunk_rows`` (rows x chunks) rows of
     ``k`` int32 columns, each row 16-byte aligned."""
     if (
-        chunks.dtype is not torch.int32 or chunks.dim() != 2
-        or chunks.shape[0] < chunk_rows or chunks.shape[1] != k
-        or chunks.stride(1) != 1 or chunks.stride(0) % 4 or chunks.data_ptr() % 16
-    ):  # fmt: skip
+        chunks.dtype is not torch.int32
+        or chunks.dim() != 2
+        or chunks.shape[0] < chunk_rows
+        or chunks.shape[1] != k
+        or chunks.stride(1) != 1
+        or chunks.stride(0) % 4
+        or chunks.data_ptr() % 16
+    ):
         expected = f"int32 [>= rows x chunks ({chunk_rows}), k = {k}]"
         expected += ", unit column stride, rows 16-byte aligned"
         raise mismatch("chunks", expected, layout(chunks))
@@ -255,9 +272,16 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
     kernel = staticmethod(select_kernel)
 
     def dispatch(  # type: ignore[override]
-        self, *, k: int, dtype: torch.dtype, rows: int, width: int, sms: int,
-        fed: bool = False, split: bool | None = None,
-    ) -> CompileKey:  # fmt: skip
+        self,
+        *,
+        k: int,
+        dtype: torch.dtype,
+        rows: int,
+        width: int,
+        sms: int,
+        fed: bool = False,
+        split: bool | None = None,
+    ) -> CompileKey:
         # The fed select: one CTA a row, whatever the rows; the split
         # select: one CTA a chunk, then one a row.
         chunk = 0 if fed else split_chunk(rows, width, k, dtype, sms, split)
@@ -273,9 +297,13 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
         )
 
     def get_warmup_keys(
-        self, vllm_config=None, *, max_rows: int | None = None,
-        one_wave_only: bool = False, **dispatch_values,
-    ) -> list[CompileKey]:  # fmt: skip
+        self,
+        vllm_config=None,
+        *,
+        max_rows: int | None = None,
+        one_wave_only: bool = False,
+        **dispatch_values,
+    ) -> list[CompileKey]:
         """The keys of 1 to ``max_rows`` rows (``one_wave_only``: of those
         that fit one wave); a stage's instance, given no rows: its stage's."""
         if max_rows is None:
@@ -286,10 +314,16 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
         )
 
     def spec(
-        self, *, logits: torch.Tensor, ends: torch.Tensor, k: int,
-        out: torch.Tensor | None = None, histogram: torch.Tensor | None = None,
-        chunks: torch.Tensor | None = None, split: bool | None = None,
-    ):  # fmt: skip
+        self,
+        *,
+        logits: torch.Tensor,
+        ends: torch.Tensor,
+        k: int,
+        out: torch.Tensor | None = None,
+        histogram: torch.Tensor | None = None,
+        chunks: torch.Tensor | None = None,
+        split: bool | None = None,
+    ):
         check(logits, ends, k, out, histogram, chunks, split)
         rows, width = logits.shape
         if out is None:
@@ -297,9 +331,14 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
         sms = sm_count(logits.get_device())
         fed = histogram is not None
         key = self.dispatch(
-            k=k, dtype=logits.dtype, rows=rows, width=width, sms=sms, fed=fed,
+            k=k,
+            dtype=logits.dtype,
+            rows=rows,
+            width=width,
+            sms=sms,
+            fed=fed,
             split=split,
-        )  # fmt: skip
+        )
         if fed:
             args = (logits, ends, histogram, out)
         elif key.chunk:

@@ -240,9 +240,12 @@ class MergeSelect(LeanRows, SelectTopk):
 
     @cute.kernel
     def kernel(
-        self, logits: cute.Tensor, ends: cute.Tensor, chunks: cute.Tensor,
+        self,
+        logits: cute.Tensor,
+        ends: cute.Tensor,
+        chunks: cute.Tensor,
         out: cute.Tensor,
-    ):  # fmt: skip
+    ):
         self.select((logits, chunks), ends, out)
 
     @cute.jit
@@ -326,17 +329,27 @@ class SplitSelectTopk:
 
     @cute.jit
     def __call__(
-        self, logits: cute.Tensor, ends: cute.Tensor, chunks: cute.Tensor,
-        out: cute.Tensor, stream: cuda.CUstream,
-    ):  # fmt: skip
+        self,
+        logits: cute.Tensor,
+        ends: cute.Tensor,
+        chunks: cute.Tensor,
+        out: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
         # ``chunks`` holds exactly the rows' chunks: one CTA each.
         self.chunks.kernel(logits, ends, chunks).launch(
-            grid=(chunks.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream,
-            use_pdl=True, min_blocks_per_mp=ctas_per_sm(self.chunks.capacity),
+            grid=(chunks.shape[0], 1, 1),
+            block=(THREADS, 1, 1),
+            stream=stream,
+            use_pdl=True,
+            min_blocks_per_mp=ctas_per_sm(self.chunks.capacity),
             preferred_smem_carveout=100,
-        )  # fmt: skip
+        )
         self.merge.kernel(logits, ends, chunks, out).launch(
-            grid=(out.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream,
-            use_pdl=True, min_blocks_per_mp=MERGE_CTAS_PER_SM,
+            grid=(out.shape[0], 1, 1),
+            block=(THREADS, 1, 1),
+            stream=stream,
+            use_pdl=True,
+            min_blocks_per_mp=MERGE_CTAS_PER_SM,
             preferred_smem_carveout=100,
-        )  # fmt: skip
+        )

@@ -37,9 +37,13 @@ class UpcastLogits:
 
     @cute.jit
     def __call__(
-        self, src: cute.Tensor, dst: cute.Tensor, ends: cute.Tensor, ctas: Int32,
+        self,
+        src: cute.Tensor,
+        dst: cute.Tensor,
+        ends: cute.Tensor,
+        ctas: Int32,
         stream: cuda.CUstream,
-    ):  # fmt: skip
+    ):
         rows, width = src.shape
         splits = cutlass.min((width + TILE - 1) // TILE, cutlass.max(1, ctas // rows))
         self.kernel(src, dst, ends).launch(

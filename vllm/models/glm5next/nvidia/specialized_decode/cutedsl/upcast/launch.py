@@ -27,21 +27,27 @@ def check(logits, row_ends, out) -> None:
     )
     stride = logits.stride()
     if (
-        logits.dtype != torch.bfloat16 or len(stride) != 2 or stride[1] != 1
-        or stride[0] % 8 or logits.data_ptr() % 16
-    ):  # fmt: skip
+        logits.dtype != torch.bfloat16
+        or len(stride) != 2
+        or stride[1] != 1
+        or stride[0] % 8
+        or logits.data_ptr() % 16
+    ):
         expected = "bf16 [rows, width], unit column stride, 16-byte aligned rows"
         raise mismatch("logits", expected, layout(logits))
     if (
-        row_ends.dtype != torch.int32 or row_ends.stride() != (1,)
+        row_ends.dtype != torch.int32
+        or row_ends.stride() != (1,)
         or row_ends.shape[0] != logits.shape[0]
-    ):  # fmt: skip
+    ):
         expected = "int32 [rows of logits], unit stride"
         raise mismatch("row_ends", expected, layout(row_ends))
     if out is not None and (
-        out.dtype != torch.float32 or out.stride() != stride
-        or out.shape != logits.shape or out.data_ptr() % 16
-    ):  # fmt: skip
+        out.dtype != torch.float32
+        or out.stride() != stride
+        or out.shape != logits.shape
+        or out.data_ptr() % 16
+    ):
         expected = "fp32 with the shape and strides of logits, 16-byte aligned"
         raise mismatch("out", expected, layout(out))
 
@@ -59,9 +65,12 @@ class UpcastKernel(KpoolKernel["UpcastKernel.CompileKey"]):
     kernel = UpcastLogits
 
     def spec(
-        self, *, logits: torch.Tensor, row_ends: torch.Tensor,
+        self,
+        *,
+        logits: torch.Tensor,
+        row_ends: torch.Tensor,
         out: torch.Tensor | None = None,
-    ):  # fmt: skip
+    ):
         check(logits, row_ends, out)
         if out is None:
             out = logits.new_empty_strided(

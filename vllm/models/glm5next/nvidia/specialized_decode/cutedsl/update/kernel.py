@@ -34,20 +34,33 @@ class KpoolUpdate:
 
     @cute.jit
     def __call__(
-        self, cache: cute.Tensor, tail: cute.Tensor, tail_slots: cute.Tensor,
-        key: cute.Tensor, score: cute.Tensor, ape: cute.Tensor, slots: cute.Tensor,
-        positions: cute.Tensor, stream: cuda.CUstream,
-    ):  # fmt: skip
+        self,
+        cache: cute.Tensor,
+        tail: cute.Tensor,
+        tail_slots: cute.Tensor,
+        key: cute.Tensor,
+        score: cute.Tensor,
+        ape: cute.Tensor,
+        slots: cute.Tensor,
+        positions: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
         self.kernel(cache, tail, tail_slots, key, score, ape, slots, positions).launch(
             grid=(key.shape[0], 1, 1), block=(32, 1, 1), stream=stream, use_pdl=True
         )
 
     @cute.kernel
     def kernel(
-        self, cache: cute.Tensor, tail: cute.Tensor, tail_slots: cute.Tensor,
-        key: cute.Tensor, score: cute.Tensor, ape: cute.Tensor, slots: cute.Tensor,
+        self,
+        cache: cute.Tensor,
+        tail: cute.Tensor,
+        tail_slots: cute.Tensor,
+        key: cute.Tensor,
+        score: cute.Tensor,
+        ape: cute.Tensor,
+        slots: cute.Tensor,
         positions: cute.Tensor,
-    ):  # fmt: skip
+    ):
         req, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         dim = lane * 4
@@ -70,9 +83,16 @@ class KpoolUpdate:
             # The completion reads the ring before this token's own stash.
             if loc >= 0 and pos >= 0 and slot == POOL - 1:
                 self.compress(
-                    cache, base, bias, _bf16x4(key_words), _bf16x4(score_words),
-                    safe_pos - slot, loc, lane, dim,
-                )  # fmt: skip
+                    cache,
+                    base,
+                    bias,
+                    _bf16x4(key_words),
+                    _bf16x4(score_words),
+                    safe_pos - slot,
+                    loc,
+                    lane,
+                    dim,
+                )
             if pos >= 0 and tail_slot >= 0:
                 row = base + (safe_pos % self.ring) * DIM + dim
                 ptx.store_words(row, key_words)

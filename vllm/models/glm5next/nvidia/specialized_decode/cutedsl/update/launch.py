@@ -20,9 +20,15 @@ from ..common.host import (
 from .kernel import KpoolUpdate
 
 TENSORS = (
-    "kv_cache", "tail_kv_cache", "tail_slot_mapping", "key", "slot_score", "ape",
-    "slot_mapping", "positions",
-)  # fmt: skip
+    "kv_cache",
+    "tail_kv_cache",
+    "tail_slot_mapping",
+    "key",
+    "slot_score",
+    "ape",
+    "slot_mapping",
+    "positions",
+)
 
 
 def check(tensors: tuple, pool_size, head_dim) -> None:
@@ -37,17 +43,27 @@ def check(tensors: tuple, pool_size, head_dim) -> None:
         raise mismatch("pool_size", str(POOL), pool_size)
     cache = kv_cache.stride()
     if (
-        kv_cache.dtype is not torch.uint8 or len(cache) != 3 or cache[2] != 1
-        or cache[0] % 4 or kv_cache.data_ptr() % 4
-    ):  # fmt: skip
+        kv_cache.dtype is not torch.uint8
+        or len(cache) != 3
+        or cache[2] != 1
+        or cache[0] % 4
+        or kv_cache.data_ptr() % 4
+    ):
         expected = "uint8 [blocks, page, bytes], 4-byte aligned pages"
         raise mismatch("kv_cache", expected, layout(kv_cache))
     shape, stride = tail.shape, tail.stride()
     if (
-        tail.dtype is not torch.bfloat16 or len(shape) != 4 or shape[1] != 2
-        or shape[2] % POOL or shape[3] != DIM or stride[3] != 1 or stride[2] != DIM
-        or stride[1] % 4 or stride[0] % 4 or tail.data_ptr() % 8
-    ):  # fmt: skip
+        tail.dtype is not torch.bfloat16
+        or len(shape) != 4
+        or shape[1] != 2
+        or shape[2] % POOL
+        or shape[3] != DIM
+        or stride[3] != 1
+        or stride[2] != DIM
+        or stride[1] % 4
+        or stride[0] % 4
+        or tail.data_ptr() % 8
+    ):
         expected = "bf16 [blocks, 2, ring, 128], ring a multiple of 4, 8-byte "
         raise mismatch("tail_kv_cache", expected + "aligned rows", layout(tail))
     rows = key.shape
@@ -56,21 +72,28 @@ def check(tensors: tuple, pool_size, head_dim) -> None:
     for name, t in (("key", key), ("slot_score", slot_score)):
         stride = t.stride()
         if (
-            t.dtype is not torch.bfloat16 or t.shape != rows or stride[2] != 1
-            or stride[1] % 4 or stride[0] % 4 or t.data_ptr() % 8
-        ):  # fmt: skip
+            t.dtype is not torch.bfloat16
+            or t.shape != rows
+            or stride[2] != 1
+            or stride[1] % 4
+            or stride[0] % 4
+            or t.data_ptr() % 8
+        ):
             expected = "bf16 [requests, tokens, 128] as key, unit dim stride, "
             raise mismatch(name, expected + "8-byte aligned rows", layout(t))
     if (
-        ape.dtype is not torch.float32 or ape.shape != (POOL, DIM)
-        or ape.stride() != (DIM, 1) or ape.data_ptr() % 16
-    ):  # fmt: skip
+        ape.dtype is not torch.float32
+        or ape.shape != (POOL, DIM)
+        or ape.stride() != (DIM, 1)
+        or ape.data_ptr() % 16
+    ):
         raise mismatch("ape", "a contiguous fp32 [4, 128]", layout(ape))
     tokens = rows[:2]
     for name, t in (
-        ("tail_slot_mapping", tail_slot_mapping), ("slot_mapping", slot_mapping),
+        ("tail_slot_mapping", tail_slot_mapping),
+        ("slot_mapping", slot_mapping),
         ("positions", positions),
-    ):  # fmt: skip
+    ):
         if t.dtype not in INDEX_TYPES or t.shape != tokens or not t.is_contiguous():
             expected = "a contiguous int32/int64 [requests, tokens]"
             raise mismatch(name, expected, layout(t))
@@ -100,24 +123,44 @@ class UpdateKernel(KpoolKernel["UpdateKernel.CompileKey"]):
     kernel = KpoolUpdate
 
     def spec(
-        self, kv_cache: torch.Tensor, tail_kv_cache: torch.Tensor,
-        tail_slot_mapping: torch.Tensor, key: torch.Tensor, slot_score: torch.Tensor,
-        ape: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
-        pool_size: int, head_dim: int = DIM, *, mx_scales: bool,
+        self,
+        kv_cache: torch.Tensor,
+        tail_kv_cache: torch.Tensor,
+        tail_slot_mapping: torch.Tensor,
+        key: torch.Tensor,
+        slot_score: torch.Tensor,
+        ape: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        pool_size: int,
+        head_dim: int = DIM,
+        *,
+        mx_scales: bool,
         round_scale: bool = True,
-    ):  # fmt: skip
+    ):
         tensors = (
-            kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape,
-            slot_mapping, positions,
-        )  # fmt: skip
+            kv_cache,
+            tail_kv_cache,
+            tail_slot_mapping,
+            key,
+            slot_score,
+            ape,
+            slot_mapping,
+            positions,
+        )
         check(tensors, pool_size, head_dim)
         compile_key = self.dispatch(
-            ring=tail_kv_cache.shape[2], page=kv_cache.shape[1],
-            page_bytes=kv_cache.stride(0), tail_block=tail_kv_cache.stride(0),
-            tail_half=tail_kv_cache.stride(1), mx_scales=bool(mx_scales),
-            round_scale=bool(round_scale), tail_slots_dtype=tail_slot_mapping.dtype,
-            slots_dtype=slot_mapping.dtype, positions_dtype=positions.dtype,
-        )  # fmt: skip
+            ring=tail_kv_cache.shape[2],
+            page=kv_cache.shape[1],
+            page_bytes=kv_cache.stride(0),
+            tail_block=tail_kv_cache.stride(0),
+            tail_half=tail_kv_cache.stride(1),
+            mx_scales=bool(mx_scales),
+            round_scale=bool(round_scale),
+            tail_slots_dtype=tail_slot_mapping.dtype,
+            slots_dtype=slot_mapping.dtype,
+            positions_dtype=positions.dtype,
+        )
         requests, tokens = key.shape[:2]
         return compile_key, tensors if requests and tokens else None, None
 
@@ -143,9 +186,15 @@ class UpdateKernel(KpoolKernel["UpdateKernel.CompileKey"]):
         tail = fake(torch.bfloat16, shape, (*stride, DIM, 1), 8)
         ape = fake(torch.float32, (POOL, DIM), (DIM, 1), 16)
         return (
-            cache, tail, indices(k.tail_slots_dtype), rows_of_dims(), rows_of_dims(),
-            ape, indices(k.slots_dtype), indices(k.positions_dtype),
-        )  # fmt: skip
+            cache,
+            tail,
+            indices(k.tail_slots_dtype),
+            rows_of_dims(),
+            rows_of_dims(),
+            ape,
+            indices(k.slots_dtype),
+            indices(k.positions_dtype),
+        )
 
 
 UPDATE = UpdateKernel()
