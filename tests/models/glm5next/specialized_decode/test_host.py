@@ -200,12 +200,7 @@ def public(kernel, a: dict):
         )
     if kernel is UPCAST:
         return lambda: kpool.upcast_logits(a["logits"], a["row_ends"], out=a["out"])
-    if a.get("histogram") is not None:  # the stage's fed select: not public
-        return None
-    split = {name: a[name] for name in ("chunks", "split") if name in a}
-    return lambda: kpool.select_topk(
-        a["logits"], a["ends"], a["k"], out=a["out"], **split
-    )
+    return lambda: kpool.select_topk(a["logits"], a["ends"], a["k"], out=a["out"])
 
 
 # The public functions that return ``out`` (the others return None).
@@ -615,11 +610,7 @@ KEY_FIELDS = {
     UPCAST: {},
     SELECT: dict(
         k={"k"},
-        logits={"dtype", "cluster", "capacity", "columns"},
-        # The fed select: one CTA a row, bitmaps of ``columns``.
-        histogram={"cluster", "capacity", "columns"},
-        # The split select: one CTA a chunk, then a row's candidates.
-        split={"cluster", "capacity", "chunk"},
+        logits={"dtype", "cluster", "capacity"},
     ),
 }
 

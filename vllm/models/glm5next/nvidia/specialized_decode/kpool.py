@@ -130,9 +130,6 @@ def select_topk(
     k: int,
     *,
     out: torch.Tensor | None = None,
-    chunks: torch.Tensor | None = None,
-    split: bool | None = None,
 ) -> torch.Tensor:
-    """``SelectKernel``'s contract (``split``: the split select, the same
-    bytes; ``chunks`` its workspace); returns the int32 [rows, k] ids."""
-    return SELECT(logits=logits, ends=ends, k=k, out=out, chunks=chunks, split=split)
+    """``SelectKernel``'s contract; returns the int32 [rows, k] ids."""
+    return SELECT(logits=logits, ends=ends, k=k, out=out)

@@ -193,10 +193,8 @@ class SelectTopk:
         self.select(logits, ends, out)
 
     @cute.jit
-    def select(self, source, ends: cute.Tensor, out: cute.Tensor):
-        """Row ``row`` of ``out``: the top ``k`` of ``source``'s row (the
-        logits here; ``split.py``'s variants read theirs through the hooks
-        ``row_end``, ``row_base``, ``load_slice`` and ``column``)."""
+    def select(self, logits, ends: cute.Tensor, out: cute.Tensor):
+        """Row ``row`` of ``out``: the top ``k`` of ``logits``'s row."""
         block, _, _ = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
         row = block // self.cluster
@@ -204,23 +202,23 @@ class SelectTopk:
         shared = self.allocate()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        end = self.row_end(source, ends, row)
+        end = self.row_end(logits, ends, row)
         if end <= self.k:
             if rank == 0:
                 # Every valid column, in order, then -1 (stock's bytes).
                 for i in cutlass.range(tid, self.k, THREADS, unroll=1):
                     value = Int32(-1)
                     if i < end:
-                        value = self.column(source, row, i)
+                        value = i
                     out[row, i] = value
         elif cutlass.const_expr(self.cluster == 1):
-            self.select_row(source, out, row, rank, end, tid, shared, True)
+            self.select_row(logits, out, row, rank, end, tid, shared, True)
         elif end <= self.alone_keys:
             # The cluster's other CTAs exit: nothing reads their memory.
             if rank == 0:
-                self.select_row(source, out, row, rank, end, tid, shared, True)
+                self.select_row(logits, out, row, rank, end, tid, shared, True)
         else:
-            self.select_row(source, out, row, rank, end, tid, shared, False)
+            self.select_row(logits, out, row, rank, end, tid, shared, False)
 
     @cute.jit
     def row_end(self, logits, ends, row):
@@ -231,11 +229,6 @@ class SelectTopk:
     def row_base(self, logits, row):
         """The address of row ``row``'s first column."""
         return logits.iterator + Int64(row) * logits.stride[0]
-
-    @cute.jit
-    def column(self, logits, row, position):
-        """The column that row ``row``'s key ``position`` stands for."""
-        return position
 
     @cute.jit
     def allocate(self):
@@ -277,9 +270,7 @@ class SelectTopk:
         if cute.arch.lane_idx() == 0:
             cute.arch.atomic_add(found.iterator + 3, share)
         cute.arch.barrier()
-        self.compact(
-            logits, start, n, tid, keys_at, out, row, threshold, need, found, totals
-        )
+        self.compact(start, n, tid, keys_at, out, row, threshold, need, found, totals)
         if cutlass.const_expr(not alone):
             # The exit barrier: its arrive followed the last pass's reads of
             # the peers' shared memory, which must outlive them.
@@ -580,9 +571,7 @@ class SelectTopk:
         return early
 
     @cute.jit
-    def compact(
-        self, logits, start, n, tid, keys_at, out, row, threshold, need, found, totals
-    ):
+    def compact(self, start, n, tid, keys_at, out, row, threshold, need, found, totals):
         """Writes the slice's columns above the threshold and its share of
         the first ``need`` equal to it, in column order, at the slots after
         the ranks before it; stops once the row's ``k`` are written."""
@@ -618,46 +607,9 @@ class SelectTopk:
                     if e == 1 and equal < need:
                         taken = Int32(1)
                     if taken == 1:
-                        column = self.column(logits, row, start + i0 + i)
+                        column = start + i0 + i
                         out[row, above + cutlass.min(equal, need)] = column
                     above = above + g
                     equal = equal + e
                 above_run = above_run + (tile_total & Int32(0xFFFF))
                 equal_run = equal_run + (tile_total >> 16)
-
-    @cute.jit
-    def write_marked(self, source, out, row, start, n, tid, need, totals, above, equal):
-        """Writes the positions below ``n`` set in ``above`` and the first
-        ``need`` set in ``equal`` (the bitmaps of a one-CTA select: the fed
-        select's, the split select's lean CTAs') as the columns they stand
-        for (``column``), in ascending order: a word a thread, a CTA scan of
-        their counts a tile of words; stops once the row's ``k`` are
-        written."""
-        words = (n + 31) // 32
-        above_run = Int32(0)
-        equal_run = Int32(0)
-        for t in cutlass.range((words + THREADS - 1) // THREADS, unroll=1):
-            if above_run + cutlass.min(equal_run, need) < self.k:
-                w = t * THREADS + tid
-                gt = Uint32(0)
-                eq = Uint32(0)
-                if w < words:
-                    gt = above[w]
-                    eq = equal[w]
-                packed = Int32(cute.arch.popc(gt)) + (Int32(cute.arch.popc(eq)) << 16)
-                before, tile_total = _block_scan(packed, totals, (t & 1) * WARPS)
-                # A tile's counts reach 32768: the high half is read unsigned.
-                at_above = above_run + (before & Int32(0xFFFF))
-                at_equal = equal_run + Int32(Uint32(before) >> Uint32(16))
-                bits = gt | eq
-                for _ in cutlass.range(Int32(cute.arch.popc(bits)), unroll=1):
-                    j = Int32(cute.arch.bfind(bits & (Uint32(0) - bits)))
-                    bits = bits & (bits - Uint32(1))
-                    g = Int32((gt >> Uint32(j)) & Uint32(1))
-                    if (g | Int32(at_equal < need)) == 1:
-                        column = self.column(source, row, start + w * 32 + j)
-                        out[row, at_above + cutlass.min(at_equal, need)] = column
-                    at_above = at_above + g
-                    at_equal = at_equal + (1 - g)
-                above_run = above_run + (tile_total & Int32(0xFFFF))
-                equal_run = equal_run + Int32(Uint32(tile_total) >> Uint32(16))
