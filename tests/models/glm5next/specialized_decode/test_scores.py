@@ -32,11 +32,11 @@ from rule_edges import (
 )
 
 from vllm.model_executor.warmup.jit_warmup import WarmupChoices
+from vllm.models.glm5next.nvidia.specialized_decode.constants import DIM
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common.host import (
     Refused,
 )
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.kernel import (
-    DIM,
     THREADS,
 )
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch import (

@@ -52,6 +52,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float8E4M3FN, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
+from ...constants import DIM
 from ..common.ptx import inline_ptx
 
 # The consumer warpgroup (warps 0-3), then the producer warp.
@@ -60,8 +61,6 @@ PRODUCER = CONSUMERS // 32
 THREADS = CONSUMERS + 32
 # Pools a tile: wgmma's M.
 TILE = 64
-# The index head dimension, in FP8 bytes: one 128-byte swizzle row.
-DIM = 128
 # Tiles in flight a CTA: 4 x 8.25 KiB. A power of two: a tile's stage and
 # phase are bits of its non-negative index (no signed division).
 STAGE_BITS = 2

@@ -13,8 +13,9 @@ from cutlass.cute.runtime import make_fake_tensor
 
 from vllm.model_executor.warmup.jit_warmup import kernel_launcher
 
+from ...constants import DIM
 from ..common.host import KpoolKernel, check_devices, layout, mismatch, sm_count
-from .kernel import DIM, TILE, KpoolScores
+from .kernel import TILE, KpoolScores
 
 HEADS = (16, 32, 64)
 NEXT_N = (1, 2, 3, 4)
