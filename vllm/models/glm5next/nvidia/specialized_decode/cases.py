@@ -8,7 +8,8 @@ A ``Case`` holds the kernel's keyword arguments, every buffer the kernel may
 write (whole, filled with random bytes first: ``poisoned``) and copies of
 them as the stock twin leaves them, computed when the case is drawn (where
 stock leaves memory unwritten, only what it wrote is read). The opt-in
-select's expected rows are its contract (``select_reference``)."""
+select's expected rows are its contract (``select_reference``). A kernel's
+cases are of the compile keys its routing can launch."""
 
 import random
 from dataclasses import dataclass
@@ -370,7 +371,11 @@ def upcast_case(rng: random.Random, gen: torch.Generator, key) -> Case:
 
 
 def select_reference(logits: torch.Tensor, ends: torch.Tensor, k: int):
-    """``SelectKernel``'s contract (its docstring), by sorting."""
+    """``SelectKernel``'s contract (its docstring), by sorting: the
+    self-check's expected rows, and the product's one host statement of the
+    select's order key (the device's: ``order_key32``/``order_key16`` of
+    ``cutedsl/common/ptx.py``). The tests hold it against their own
+    statement of the contract (``select_contract.py``)."""
     rows, width = logits.shape
     if logits.dtype == torch.bfloat16:
         bits, sign, full = logits.view(torch.int16).long() & 0xFFFF, 1 << 15, 0xFFFF
