@@ -289,12 +289,6 @@ def ours_remap(t, counts):
     )
 
 
-def workspace(rows: int, width: int, dev) -> torch.Tensor:
-    """The split select's workspace for ``rows`` rows of ``width`` pools."""
-    chunk_rows = rows * K.split_parts(width, K_POOLS)
-    return torch.empty(chunk_rows, K_POOLS, dtype=torch.int32, device=dev)
-
-
 def calls(fns):
     for fn in fns:
         fn()
@@ -337,30 +331,6 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
         stock = p(calls, [stock_topk, p(stock_remap, t, True)])
         ours = p(calls, [ours_select, p(ours_remap, t, True)])
         pairs = [("select", [stock_topk], [ours_select]), ("chain", [stock], [ours])]
-        if dtype == torch.float32 and K.fed_columns(width):
-            # The fed select with no counts (as after DeepGEMM's scores): it
-            # counts the first digit itself, one more read of the row.
-            zeros = torch.zeros(rows, K.histogram, dtype=torch.int32, device=dev)
-            unhinted = p(
-                K.select,
-                logits=x,
-                ends=e,
-                k=K_POOLS,
-                out=t["pool_topk"],
-                histogram=zeros,
-            )
-            pairs.append(("select_unhinted", [stock_topk], [unhinted]))
-        if K.split_parts(width, K_POOLS):  # the split select, routed or not
-            split = p(
-                K.select_topk,
-                x,
-                e,
-                K_POOLS,
-                out=t["pool_topk"],
-                chunks=workspace(rows, width, dev),
-                split=True,
-            )
-            pairs.append(("select_split", [stock_topk], [split]))
         return pairs, {}
     # The indexer decode after the query: DeepGEMM's scores and the stock top-k
     # or the select, or (step_scores) our scores and the select.
@@ -387,15 +357,10 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
             K.stock_topk(logits, lens, t["pool_topk"], K_POOLS, max_seq_len)
             stock_remap(t, True)
 
-        splits = K.split_parts(pools, K_POOLS)
-        chunks = workspace(rows * n, pools, dev) if splits else None
-
-        def ours(select, scores=scores, split=None):
+        def ours(select, scores=scores):
             logits = scores()
             if select:
-                K.select_topk(
-                    logits, e, K_POOLS, out=t["pool_topk"], chunks=chunks, split=split
-                )
+                K.select_topk(logits, e, K_POOLS, out=t["pool_topk"])
             else:
                 K.stock_topk(logits, lens, t["pool_topk"], K_POOLS, max_seq_len)
             ours_remap(t, True)
@@ -405,24 +370,6 @@ def build(case: dict, dev, gen) -> tuple[list, dict]:
             ("step_select", [stock], [p(ours, True)]),
             ("step_scores", [stock], [p(ours, True, ours_scores)]),
         ]
-        if chunks is not None:  # our scores and the split select
-            pairs.append(("step_split", [stock], [p(ours, True, ours_scores, True)]))
-        if K.fed_columns(pools):  # our scores count, the select reads them
-            counts = torch.zeros(rows * n, K.histogram, dtype=torch.int32, device=dev)
-            fed_scores = p(ours_scores, histogram=counts)
-
-            def fed():
-                logits = fed_scores()
-                K.select(
-                    logits=logits,
-                    ends=e,
-                    k=K_POOLS,
-                    out=t["pool_topk"],
-                    histogram=counts,
-                )
-                ours_remap(t, True)
-
-            pairs.append(("step_fed", [stock], [fed]))
         return pairs, dict(alone=(scores, ours_scores))
     u = update_inputs(rows, case.get("tokens", 1), dev, gen)
     t = topk_inputs(rows, dev, gen)
@@ -500,7 +447,7 @@ def measure(case: dict, plan: Plan, dev, copy_gbs: float) -> dict:
     row = dict(case)
     for pair, stock, ours in pairs:
         figures = {"graph": [graph_us(stock, plan.rep_ms), graph_us(ours, plan.rep_ms)]}
-        if pair not in ("select", "select_unhinted", "select_split", "scores"):
+        if pair not in ("select", "scores"):
             figures["eager"] = eager_us(stock, ours, plan)
         for timer, (s, o) in figures.items():
             key = f"{pair}_{timer}" if pair else timer
@@ -571,12 +518,6 @@ def load_kernels(stock_topk_so: str | None, deep_gemm: str | None = None) -> Non
     from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores import (
         launch as scores,
     )
-    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import (
-        fed,
-    )
-    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import (
-        launch as select,
-    )
     from vllm.v1.attention.backends.mla.sparse_utils import (
         triton_convert_req_index_to_global_index,
     )
@@ -588,13 +529,6 @@ def load_kernels(stock_topk_so: str | None, deep_gemm: str | None = None) -> Non
     for fn in ("kpool_update", "expand_pools", "expand_and_remap", "upcast_logits"):
         setattr(K, fn, getattr(kpool, fn))
     K.select_topk = kpool.select_topk
-    # The fed select (the stage's, not public) and what it reads.
-    K.select, K.fed_columns, K.histogram = (
-        select.SELECT,
-        select.fed_columns,
-        fed.HISTOGRAM,
-    )
-    K.split_parts = select.split_parts  # the split select's workspace rows
     K.scores = scores.SCORES
     if deep_gemm:  # vLLM's vendored DeepGEMM, from the folder that holds it
         sys.path.insert(0, deep_gemm)

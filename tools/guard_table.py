@@ -26,9 +26,6 @@ ENTRIES = dict(
     Select=("select_topk", "`as_fp32_logits` and stock's top-k"),
     Scores=("SCORES", "DeepGEMM's `fp8_fp4_paged_mqa_logits`"),
 )
-# What the stage runs where the select's rule refuses its fed form (the
-# stage's own histogram, or rows the fed select does not take).
-FED = "the select unfed, the histogram zeroed"
 
 
 def rows() -> tuple[list[str], list[tuple[str, str, str]]]:
@@ -69,8 +66,6 @@ def markdown() -> str:
         lines.append(f"| every kernel | every tensor argument | {takes} | as below |")
     for name, argument, takes in table:
         function, stock = ENTRIES[name]
-        if name == "Select" and "histogram" in argument + takes:
-            stock = FED
         refused = f"the stage: {stock}; `{function}`: `Refused`"
         lines.append(f"| `{function}` | `{argument}` | {takes} | {refused} |")
     return "\n".join(lines)

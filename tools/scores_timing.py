@@ -11,8 +11,7 @@ HBM as a decode step does (each layer's cache once a step); "warm" repeats
 the first, which the L2 holds up to ~50 MB. GLM-5-Next's 16 index heads
 come as serving hands them (``--index-heads``): DeepGEMM gets vLLM's zero
 padding to ``--heads``, ours views of the real ones, as the stage passes
-them; ``same`` says whether ours wrote DeepGEMM's bytes; ``ours_counting``
-is ours counting the fed select's histogram too. Prints one JSON
+them; ``same`` says whether ours wrote DeepGEMM's bytes. Prints one JSON
 line a size and the time of a 1 GiB copy (docs/scores-cold-h200.json)."""
 
 import argparse
@@ -104,12 +103,6 @@ def row(scores, deep_gemm, entries, pools, heads, next_n, block, rep_ms, real):
     ours = [lambda a=a: scores(**a) for a in handed]
     first = ours[0]()  # compiles, untimed
     out["ours_warm"], out["ours_cold"] = _us(ours[:1] * sets, rep_ms), _us(ours, rep_ms)
-    # Counting for the fed select (the counts wrap past 2^31: timing only).
-    counts = torch.zeros(entries * next_n, 257, dtype=torch.int32, device="cuda")
-    counting = [lambda a=a: scores(**a, histogram=counts) for a in handed]
-    counted = counting[0]().view(torch.int32)[:, :pools]
-    out["counting_same"] = torch.equal(counted, first.view(torch.int32)[:, :pools])
-    out["ours_counting_cold"] = _us(counting, rep_ms)
     if deep_gemm is not None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         slots = sms // 2 if next_n == 4 else sms

@@ -145,12 +145,6 @@ def spec_only(monkeypatch):
 
     monkeypatch.setattr(bench.K, "scores", scores_spec)
 
-    def fed_spec(**arguments):  # the fed select, called as the stage does
-        key, _, out = launch.SELECT.spec(**arguments)
-        seen.append(("SELECT", key))
-        return out
-
-    monkeypatch.setattr(bench.K, "select", fed_spec)
     flag = bench.K.compress.mqa_logits_use_mx_scales  # the stock update sets it
     monkeypatch.setattr(bench.K.compress, "mqa_logits_use_mx_scales", flag)
     monkeypatch.setattr(bench.K, "stock_topk", stock_topk, raising=False)
@@ -208,8 +202,6 @@ def test_both_sides_take_every_case_s_inputs(spec_only):
         elif case.get("case") == "step":  # DeepGEMM's or our scores
             assert keys.keys() == {"SELECT", "REMAP", "SCORES"} and keys["REMAP"].counts
             assert keys["SELECT"].dtype == torch.float32
-            # The last pair: our scores counting, the select fed by them.
-            assert keys["SCORES"].histogram and keys["SELECT"].columns == 32768
             scores_key = keys["SCORES"]
             # GLM-5-Next's 16 heads of the 32 vLLM pads them to, as the stage.
             assert (scores_key.heads, scores_key.next_n) == (16, case["next_n"])

@@ -21,10 +21,9 @@
 #   gpu_tier.sh --select-fuzz [PYTEST ARGS]
 #       the select's GPU tests (SELECT_TESTS), KPOOL_FUZZ_CASES (10000) cases
 #       a fuzz loop
-#   gpu_tier.sh --select-ncu [float32|bfloat16|fed]
+#   gpu_tier.sh --select-ncu [float32|bfloat16]
 #       ncu sections of one select launch at 1, 8 and 64 rows of 65536 pools
-#       (select_launch.py; fed: the fed select given the rows' histogram), and
-#       the stall samples of each SASS line (CSV)
+#       (select_launch.py), and the stall samples of each SASS line (CSV)
 #   gpu_tier.sh --summarize [--strict] XML...
 #       the summary line of pytest JUnit XMLs (--strict: a skip fails too)
 #
@@ -133,7 +132,7 @@ case ${1:-} in
     run_tests select_fuzz "" $SELECT_TESTS -m "gpu and not stock_topk" "$@" ;;
   --select-ncu)
     kind=${2:-float32}
-    case $kind in float32 | bfloat16 | fed) ;; *) die "--select-ncu: '$kind', not float32, bfloat16 or fed" ;; esac
+    case $kind in float32 | bfloat16) ;; *) die "--select-ncu: '$kind', not float32 or bfloat16" ;; esac
     setup
     status=0
     for rows in 1 8 64; do

@@ -3,10 +3,9 @@
 """Three ``select_topk`` launches (k 512) on ``rows`` x ``width`` random
 normals with full row ends, for a profiler to catch one (``gpu_tier.sh
 --select-ncu``), on a GPU machine without vLLM (the shim); prints the
-compile key. ``fed``: the fed select on FP32 logits, each launch given the
-rows' counted histogram (``cases.select_histogram``, as our scores count it):
+compile key:
 
-    python3 tools/kernel_env/select_launch.py ROWS WIDTH float32|bfloat16|fed
+    python3 tools/kernel_env/select_launch.py ROWS WIDTH float32|bfloat16
 """
 
 import argparse
@@ -17,7 +16,7 @@ if __name__ == "__main__":  # the arguments first: --help imports nothing
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rows", type=int)
     parser.add_argument("width", type=int, help="pools a row")
-    parser.add_argument("dtype", choices=("float32", "bfloat16", "fed"))
+    parser.add_argument("dtype", choices=("float32", "bfloat16"))
     ARGS = parser.parse_args()
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -27,9 +26,6 @@ install_from_env()
 
 import torch  # noqa: E402
 
-from vllm.models.glm5next.nvidia.specialized_decode.cases import (  # noqa: E402
-    select_histogram,
-)
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (  # noqa: E402
     SELECT,
 )
@@ -37,21 +33,12 @@ from vllm.models.glm5next.nvidia.specialized_decode.kpool import select_topk  # 
 
 
 def main(rows: int, width: int, dtype: str) -> None:
-    fed = dtype == "fed"
-    logits = torch.randn(rows, width, device="cuda")
-    logits = logits if fed else logits.to(getattr(torch, dtype))
+    logits = torch.randn(rows, width, device="cuda").to(getattr(torch, dtype))
     ends = torch.full((rows,), width, dtype=torch.int32, device="cuda")
     out = torch.empty(rows, 512, dtype=torch.int32, device="cuda")
-    counted = select_histogram(logits, ends) if fed else None
-    histogram = torch.empty_like(counted) if fed else None
-    args = dict(logits=logits, ends=ends, k=512, out=out)
-    print("key", SELECT.spec(**args, histogram=histogram)[0])
+    print("key", SELECT.spec(logits=logits, ends=ends, k=512, out=out)[0])
     for _ in range(3):
-        if fed:  # the select zeroes what it read
-            histogram.copy_(counted)
-            SELECT(**args, histogram=histogram)
-        else:
-            select_topk(logits, ends, 512, out=out)
+        select_topk(logits, ends, 512, out=out)
     torch.cuda.synchronize()
 
 

@@ -338,21 +338,15 @@ def twin(name: str, key, *args) -> None:
         below = torch.arange(logits.shape[1], device=logits.device) < ends[:, None]
         out[below] = STOCK_UPCAST(logits, ends)[below]
     elif name == "scores":
-        q, kv, weights, lens, tables, out, histogram, _ = args
+        q, kv, weights, lens, tables, out, _ = args
         width = out.shape[1]
         logits = paged_logits((q, None), kv, weights, lens, tables, max_model_len=width)
         ends = lens[:, -1].repeat_interleave(q.shape[1])
         below = torch.arange(width, device=out.device) < ends[:, None]
         out.view(torch.int32)[below] = logits.view(torch.int32)[below]
-        if histogram is not None:  # each row below its own end, within its entry's
-            own = torch.minimum(lens.clamp(min=0), lens[:, -1:].clamp(0, width))
-            rows = own.numel()
-            histogram[:rows] += cases.select_histogram(out, own.reshape(-1))
-    else:  # the select; with ``columns`` fed (a histogram), with ``chunk`` split
-        logits, ends, *between, out = args
+    else:  # the select
+        logits, ends, out = args
         out.copy_(contract_topk(logits, ends, key.k))
-        if key.columns:  # the fed select zeroes what it read
-            between[0][: logits.shape[0]] = 0
 
 
 def any_device(names, *tensors, optional=()) -> None:

@@ -221,41 +221,6 @@ def test_select_runs_past_one_wave(monkeypatch, bench, references):
     assert_same_sets(b, got)
 
 
-def test_split_select_where_routed(monkeypatch, bench, references):
-    """With the split select routed past one wave (``SPLIT_PAST_ONE_WAVE``;
-    its chunk shrunk to 64 pools, so that the simulator's rows split), the
-    warmup compiles its key and a step past one wave runs it with the
-    stage's workspace, ``[max_rows x chunks, k]``; the rows as sets (the
-    stock stand-in as ``test_select_opted_in``'s). Off (the default), the
-    stage holds no workspace."""
-    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import (
-        launch as select_launch,
-    )
-
-    references(topk=contract_decode_topk)
-    step = TOKEN_ROWS[0].values[0]
-    assert bench(step, select=True).stage.chunks is None
-    monkeypatch.setattr(select_launch, "SPLIT_PAST_ONE_WAVE", True)
-    monkeypatch.setattr(select_launch, "SPLIT_CHUNK", 64)
-    monkeypatch.setattr(select_launch, "one_wave", lambda *args: False)
-    monkeypatch.setattr(stage_module, "one_wave", lambda *args: False)
-    b = bench(step, select=True)
-    served = []
-    serve = b.stage.kernels.select.serve
-    monkeypatch.setattr(
-        b.stage.kernels.select,
-        "serve",
-        lambda **kw: served.append(kw["chunks"]) or serve(**kw),
-    )
-    got = b.run()
-    assert b.routes == SELECTED
-    assert {key.chunk for key in b.spies.launched["select"]} == {64}
-    assert all(chunks is b.stage.chunks for chunks in served) and served
-    k = b.stage.chunks.shape[1]
-    assert b.stage.chunks.shape == (b.stage.max_rows * 2, k) and k == 32
-    assert_same_sets(b, got)
-
-
 def test_one_wave_select_declines_past_one_wave(monkeypatch, bench):
     """With ``kpool_select="one_wave"``, rows whose clusters take a second
     wave run stock's upcast and top-k (vLLM's torch top-k on both sides:
@@ -297,7 +262,6 @@ class Scores:
             if answer is STOCK:
                 return STOCK
             rest = dict(arguments)
-            rest.pop("histogram")  # what the kernel would count: unread here
             return paged_logits(*[rest.pop(n) for n in NAMES], **rest)
 
         def deep_gemm(*args, **kwargs):
@@ -337,9 +301,6 @@ def test_scores_opted_in(monkeypatch, bench, step, answer):
     on = Scores(monkeypatch, b.stage, answer)
     got = b.run()
     [served] = on.served
-    # No histogram: the select is off (``test_scores_count_for_the_select``).
-    served = dict(served)
-    assert served.pop("histogram") is None
     want = stock_arguments(args, kwargs)
     assert served.keys() == want.keys()
     assert all(equal(served[n], want[n]) for n in want), "not the stock call's"
@@ -350,43 +311,6 @@ def test_scores_opted_in(monkeypatch, bench, step, answer):
     else:
         assert on.stock == []
     assert_same(b.stock(), got, b.fwd)
-
-
-@pytest.mark.parametrize("answer", ["logits", STOCK], ids=["served", "stock"])
-def test_scores_count_for_the_select(monkeypatch, bench, references, answer):
-    """``kpool_scores`` and ``kpool_select``: the scores get the stage's
-    histogram rows of the step, and the select reads them (its fed key)
-    where the scores took the call; where DeepGEMM ran instead, nothing
-    counted and the select runs unfed. The histogram is zero after the
-    step (the select zeroes what it read); the top-k rows as sets (the
-    stock stand-in as ``test_select_opted_in``'s)."""
-    references(topk=contract_decode_topk)
-    monkeypatch.setattr(stage_module, "FEED_SELECT", True)
-    b = bench(TOKEN_ROWS[0].values[0], scores=True, select=True)
-    calls = Scores(monkeypatch, b.stage, answer)
-    got = b.run()
-    [served] = calls.served
-    histogram = served["histogram"]
-    assert histogram is not None and histogram.shape[1] == 257
-    assert histogram.data_ptr() == b.stage.histogram.data_ptr()
-    assert histogram.shape[0] == served["q"][0].shape[0] * served["q"][0].shape[1]
-    fed = {key.columns > 0 for key in b.spies.launched["select"]}
-    assert fed == ({True} if answer == "logits" else {False})
-    assert not b.stage.histogram.any()
-    assert_same_sets(b, got)
-
-
-def test_the_select_is_not_fed_by_default(monkeypatch, bench, references):
-    """``FEED_SELECT`` off (the fed select measured slower): with the scores
-    and the select on, the scores count nothing and the select runs unfed."""
-    references(topk=contract_decode_topk)
-    b = bench(TOKEN_ROWS[0].values[0], scores=True, select=True)
-    calls = Scores(monkeypatch, b.stage, "logits")
-    got = b.run()
-    [served] = calls.served
-    assert served["histogram"] is None and b.stage.histogram is None
-    assert {key.columns for key in b.spies.launched["select"]} == {0}
-    assert_same_sets(b, got)
 
 
 def test_scores_take_the_real_heads_of_padded_ones(monkeypatch, bench):

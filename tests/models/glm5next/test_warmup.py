@@ -258,7 +258,6 @@ def test_select_keys_are_each_row_count_it_runs(width, max_rows, one_wave):
         sms=132,
         select_one_wave=one_wave,
         scores=False,
-        histogram=None,
     )
     values = dict(
         (kernel, v)
@@ -272,7 +271,6 @@ def test_select_keys_are_each_row_count_it_runs(width, max_rows, one_wave):
         dtype=torch.float32,
         width=width,
         sms=132,
-        fed=False,
     )
     wave = (66 if width == 65536 else 16) if one_wave else max_rows
     keys = SELECT.get_warmup_keys(**values)
@@ -317,7 +315,7 @@ def test_a_layer_the_remap_refuses_stays_on_stock(spies, monkeypatch, vllm_log):
     the select and convert stock). The self-check takes every remap key it
     lists (the stock twins' bytes, on the CPU), and the stage goes on."""
     settings = dict(mx_scales=False, select=True, fuse=True, max_rows=8, sms=132)
-    settings |= dict(select_one_wave=False, scores=False, histogram=None)
+    settings |= dict(select_one_wave=False, scores=False)
     stage = SimpleNamespace(
         **settings, executors={}, pool_buffer=torch.zeros(1), kernels=[REMAP]
     )
@@ -357,7 +355,6 @@ def test_no_select_keys_unless_opted_in_and_fused(select, fuse):
         fuse=fuse,
         max_rows=8,
         scores=False,
-        histogram=None,
     )
     kernels = [k for k, _ in warmup.deployment_values(stage, [_layer(65536)])]
     assert SELECT not in kernels and KERNELS["upcast"] in kernels
@@ -388,7 +385,6 @@ def test_scores_keys_are_each_next_n_it_runs(heads, served, spec, next_n):
         max_rows=8,
         scores=True,
         next_n=1 + spec,
-        histogram=None,
     )
     keys = scores_keys(stage, _layer(65536, page=64, heads=heads))
     assert sorted(keys, key=repr) == [SCORES.CompileKey(served, n, 64) for n in next_n]
@@ -405,7 +401,6 @@ def test_scores_keys_stop_at_what_the_kernels_take(monkeypatch):
         max_rows=8,
         scores=True,
         next_n=6,
-        histogram=None,
     )
     keys = scores_keys(stage, _layer(65536, page=32))
     assert [key.next_n for key in keys] == [1, 2, 3, 4]
@@ -430,34 +425,8 @@ def test_no_scores_keys_with_mx_scales_or_off(mx, scores):
         max_rows=8,
         scores=scores,
         next_n=4,
-        histogram=None,
     )
     assert scores_keys(stage, _layer(65536, page=64)) == []
-
-
-@pytest.mark.parametrize("width, fed", [(65536, 65536), (262144, 262144), (262145, 0)])
-def test_fed_keys_where_the_scores_count_for_the_select(width, fed):
-    """With the scores and the select both on (the stage then holds a
-    histogram): the scores' keys with and without counting, and the select's
-    keys plus one fed key of the rows' ``columns``; none fed past
-    ``FED_COLUMNS`` (those steps run the cluster select)."""
-    stage = SimpleNamespace(
-        mx_scales=False,
-        select=True,
-        fuse=True,
-        max_rows=8,
-        scores=True,
-        next_n=2,
-        select_one_wave=False,
-        sms=132,
-        histogram=torch.zeros(8, 257),
-    )
-    keys = scores_keys(stage, _layer(width, page=64))
-    counting = {key.histogram for key in keys}
-    assert counting == ({False, True} if fed else {False})
-    values = dict(warmup.deployment_values(stage, [_layer(width, page=64)]))[SELECT]
-    columns = {key.columns for key in SELECT.get_warmup_keys(**values)}
-    assert columns == ({0, fed} if fed else {0})
 
 
 def free_port() -> int:

@@ -286,41 +286,11 @@ def upcast_layouts(a: dict) -> list:
     )
 
 
-def histogram_rows(rows_: int, device) -> list:
-    """The table rows of a histogram (the fed select's, the counting
-    scores'), each a fresh tensor: int32 [>= rows, 257] of unit column
-    stride taken, the rest refused naming it."""
-    h, i32 = "histogram", dict(dtype=I32, device=device)
-    return [
-        ("histogram given", None, {h: torch.zeros(rows_, 257, **i32)}),
-        ("histogram int64", h, {h: torch.zeros(rows_, 257, dtype=I64, device=device)}),
-        ("histogram 256 wide", h, {h: torch.zeros(rows_, 256, **i32)}),
-        ("histogram a row short", h, {h: torch.zeros(max(rows_ - 1, 0), 257, **i32)}),
-        ("histogram a row more", None, {h: torch.zeros(rows_ + 1, 257, **i32)}),
-        ("histogram column stride 2", h, {h: torch.zeros(rows_, 514, **i32)[:, ::2]}),
-        ("histogram rows padded", None, {h: torch.zeros(rows_, 260, **i32)[:, :257]}),
-        ("histogram 1-d", h, {h: torch.zeros(257, **i32)}),
-    ]
-
-
 def select_layouts(a: dict) -> list:
     """FP32/BF16 logits of unit column stride, rows 16-byte aligned; int32
-    ends of unit stride; an int32 ``out`` of unit column stride; with a
-    histogram (the fed select), FP32 logits of at most 262144 columns and
-    an int32 histogram [>= rows, 257] of unit column stride; ``split`` a
-    bool or None, asked for (the split select) on rows of more than one
-    16384-column chunk, ``k`` a multiple of 4, with no histogram, and its
-    ``chunks`` an int32 [>= rows x chunks, k] of unit column stride, rows
-    16-byte aligned (ignored where the select does not split)."""
-    x, e, o, h, c = "logits", "ends", "out", "histogram", "chunks"
+    ends of unit stride; an int32 ``out`` of unit column stride."""
+    x, e, o = "logits", "ends", "out"
     (rows_, width), k = a[x].shape, a["k"]
-    device = a[e].device
-    given = torch.zeros(rows_, 257, dtype=I32, device=device)
-    wide = {"split": True, x: dict(shape=(rows_, 16385), stride=(16388, 1))}
-
-    def chunks(rows, columns, dtype=I32):  # rows of ``columns``, the first k
-        return torch.zeros(rows, columns, dtype=dtype, device=device)[:, :k]
-
     return rows(
         a,
         [
@@ -355,56 +325,6 @@ def select_layouts(a: dict) -> list:
                 None,
                 {x: dict(shape=(0, width), stride=a[x].stride()), o: None},
             ),
-            *histogram_rows(rows_, a[e].device),
-            ("histogram, bf16 logits", x, {h: given, x: dict(dtype=BF16)}),
-            (
-                "histogram, 262145 columns",
-                x,
-                {h: given, x: dict(shape=(rows_, 262145), stride=(262148, 1))},
-            ),
-            (
-                "histogram, 262144 columns",
-                None,
-                {h: given, x: dict(shape=(rows_, 262144), stride=(262144, 1))},
-            ),
-            ("split asked, one chunk", x, {"split": True}),
-            ("split 1", "split", {"split": 1}),
-            ("split False", None, {"split": False}),
-            ("split asked, two chunks", None, wide),
-            ("split asked, k 1022", x, wide | {"k": 1022, o: None}),
-            ("split asked, with a histogram", "split", wide | {h: given}),
-            ("chunks given", None, wide | {c: chunks(2 * rows_, k)}),
-            ("chunks a row more", None, wide | {c: chunks(2 * rows_ + 1, k)}),
-            ("chunks a row short", c, wide | {c: chunks(2 * rows_ - 1, k)}),
-            ("chunks int64", c, wide | {c: chunks(2 * rows_, k, I64)}),
-            (
-                "chunks k + 4 wide",
-                c,
-                wide | {c: torch.zeros(2 * rows_, k + 4, dtype=I32, device=device)},
-            ),
-            (
-                "chunks rows padded (16 bytes)",
-                None,
-                wide | {c: chunks(2 * rows_, k + 4)},
-            ),
-            ("chunks rows + 2 apart", c, wide | {c: chunks(2 * rows_, k + 2)}),
-            (
-                "chunks column stride 2",
-                c,
-                wide
-                | {c: torch.zeros(2 * rows_, 2 * k, dtype=I32, device=device)[:, ::2]},
-            ),
-            (
-                "chunks 4 bytes in",
-                c,
-                wide
-                | {
-                    c: torch.zeros(2 * rows_ * k + 1, dtype=I32, device=device)[
-                        1:
-                    ].view(2 * rows_, k)
-                },
-            ),
-            ("chunks, not split", None, {c: chunks(1, 1, I64)}),
         ],
     )
 
@@ -413,9 +333,7 @@ def scores_layouts(a: dict) -> list:
     """A contiguous FP8 e4m3 query, 16-byte aligned; a uint8 cache of dense
     pages (132-byte rows) 16-byte aligned and a 16-byte multiple apart; FP32
     weights and an FP32 ``out`` of unit column stride; contiguous int32
-    lengths; an int32 block table of unit column stride; no ``indices``; a
-    histogram (counted for the fed select) int32 [>= rows, 257] of unit
-    column stride."""
+    lengths; an int32 block table of unit column stride; no ``indices``."""
     q, c, w, n, b, o = "q", "kv_cache", "weights", "seq_lens", "block_table", "out"
     values, kv = a[q][0], a[c]
     entries, next_n, heads, dim = values.shape
@@ -502,7 +420,6 @@ def scores_layouts(a: dict) -> list:
                 "indices",
                 {"indices": torch.zeros(rows_, dtype=I32, device=a[n].device)},
             ),
-            *histogram_rows(rows_, a[n].device),
             (
                 "no entries",
                 None,

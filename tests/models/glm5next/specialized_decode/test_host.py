@@ -8,14 +8,16 @@ first use and never inside a CUDA graph capture; empty inputs, which launch
 nothing; a stage's own kernel instances (``KpoolStage.kernels``), whose
 ``serve`` launches only a key the stage's own warmup put in
 ``stage.executors`` (not one a public function compiled); the keys the
-warmup lists, which are the keys ``spec`` derives; and the guard table
-of docs/reference.md, which is the rules'.
+warmup lists, which are the keys ``spec`` derives; the guard table of
+docs/reference.md, which is the rules'; and the kernel layer, which imports
+nothing of the stage (``runtime/``).
 
 CPU: the compiles go to a recorder in place of vLLM's ``compile_cutedsl``
 (where a compile leaves Python for the CuTe DSL compiler), over kernels
 that compiled nothing yet; the executors are recorders. GPU: a real
 capture refuses to compile; after a warmup the stage compiles nothing."""
 
+import ast
 import dataclasses
 import random
 import re
@@ -200,12 +202,7 @@ def public(kernel, a: dict):
         )
     if kernel is UPCAST:
         return lambda: kpool.upcast_logits(a["logits"], a["row_ends"], out=a["out"])
-    if a.get("histogram") is not None:  # the stage's fed select: not public
-        return None
-    split = {name: a[name] for name in ("chunks", "split") if name in a}
-    return lambda: kpool.select_topk(
-        a["logits"], a["ends"], a["k"], out=a["out"], **split
-    )
+    return lambda: kpool.select_topk(a["logits"], a["ends"], a["k"], out=a["out"])
 
 
 # The public functions that return ``out`` (the others return None).
@@ -615,11 +612,7 @@ KEY_FIELDS = {
     UPCAST: {},
     SELECT: dict(
         k={"k"},
-        logits={"dtype", "cluster", "capacity", "columns"},
-        # The fed select: one CTA a row, bitmaps of ``columns``.
-        histogram={"cluster", "capacity", "columns"},
-        # The split select: one CTA a chunk, then a row's candidates.
-        split={"cluster", "capacity", "chunk"},
+        logits={"dtype", "cluster", "capacity"},
     ),
 }
 
@@ -710,6 +703,43 @@ def test_guard_table_is_the_rules():
         pytest.fail(f"docs/reference.md has no guard table: {how}")
     committed = text.split(guard_table.BEGIN, 1)[1].split(guard_table.END, 1)[0]
     assert committed.strip() == guard_table.markdown(), how
+
+
+# --- The layers -----------------------------------------------------------------------
+
+PACKAGE = REPO / "vllm/models/glm5next/nvidia/specialized_decode"
+
+
+def imports(path: Path) -> set[str]:
+    """The modules ``path`` (a file of ``PACKAGE``) imports, relative imports
+    resolved, at any depth of the file (a function's imports too)."""
+    parts = ["vllm", *path.relative_to(REPO / "vllm").with_suffix("").parts][:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = parts[: len(parts) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_the_kernels_import_no_runtime():
+    """The kernel layer (``kpool.py``, ``cutedsl/``, ``cases.py``,
+    ``self_check.py``, the settings and constants) imports nothing of
+    ``runtime/``, the stage above it: a stage hands its kernels what they
+    need (``KernelOwner``)."""
+    runtime = "vllm.models.glm5next.nvidia.specialized_decode.runtime"
+    files = [p for p in PACKAGE.rglob("*.py") if "runtime" not in p.parts]
+    assert PACKAGE / "kpool.py" in files and len(files) > 20
+    found = {
+        f"{path.relative_to(PACKAGE)}: {module}"
+        for path in files
+        for module in imports(path)
+        if module == runtime or module.startswith(runtime + ".")
+    }
+    assert found == set()
 
 
 # --- GPU ------------------------------------------------------------------------------

@@ -19,8 +19,6 @@ entry's bytes alone against the same entry anywhere in batches of 2 to 256
 entries."""
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,11 +32,11 @@ from rule_edges import (
 )
 
 from vllm.model_executor.warmup.jit_warmup import WarmupChoices
+from vllm.models.glm5next.nvidia.specialized_decode.constants import DIM
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.common.host import (
     Refused,
 )
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.kernel import (
-    DIM,
     THREADS,
 )
 from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch import (
@@ -57,8 +55,6 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.scores.launch import
 FP8, F32, I32, U8 = torch.float8_e4m3fn, torch.float32, torch.int32, torch.uint8
 TOPK = 512  # GLM-5-Next's index_topk 2048 / index_kpool 4
 ALL_KEYS = [SCORES.CompileKey(h, n, b) for h in HEADS for n in NEXT_N for b in BLOCKS]
-# The keys that also count the fed select's histogram.
-COUNTING_KEYS = [SCORES.CompileKey(k.heads, k.next_n, k.block, True) for k in ALL_KEYS]
 TMA = ".shared::cta.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
 
 
@@ -314,15 +310,13 @@ def test_scores_warmup_keys():
     assert sorted(keys, key=repr) == sorted(ALL_KEYS, key=repr)
 
 
-@pytest.mark.parametrize("key", ALL_KEYS + COUNTING_KEYS, ids=repr)
+@pytest.mark.parametrize("key", ALL_KEYS, ids=repr)
 def test_scores_ptx(key):
     """sm_90a: four m64nNk32 e4m3 wgmmas a tile (N = next_n x heads), the
     first not accumulating; the head sum's FMAs as DeepGEMM's epilogue
     (``next_n x 4 x (heads / 8 - 1)``), with 16 heads two +0.0 adds a row;
-    TMA copies (the query a row at a
-    time); one PDL wait; no spills, two CTAs an SM by registers. Counting
-    the histogram: a shared count a row's logit, its +0.0 a warp at once,
-    the CTA's counts added to global memory; none without."""
+    TMA copies (the query a row at a time); one PDL wait; no spills, two
+    CTAs an SM by registers."""
     text = compile_ptx(SCORES, key, "sm_90a")
     count = ops(text)
     n = key.next_n * key.heads
@@ -341,13 +335,6 @@ def test_scores_ptx(key):
     assert count[f"cp.async.bulk.tensor.4d{TMA}"] == key.next_n * (key.next_n > 1)
     registers, spilled = resources(text, "sm_90a")
     assert spilled == 0 and registers * THREADS * 2 <= 65536, (registers, spilled)
-    shared_counts = count["atom.shared.add.u32"] + count["red.shared.add.u32"]
-    if key.histogram:
-        assert shared_counts == 3 * key.next_n, count
-        assert count["vote.sync.ballot.b32"] == key.next_n
-        assert count["red.global.add.s32"] + count["red.relaxed.gpu.global.add.s32"]
-    else:
-        assert shared_counts == 0 and "vote.sync" not in text
 
 
 # --- GPU: the definition and DeepGEMM's bytes --------------------------------
@@ -633,47 +620,6 @@ def _batch_with(target: dict, others: dict, at: int) -> dict:
         block_table=insert(tables[0], tables[1]).contiguous(),
         max_model_len=max(target["max_model_len"], others["max_model_len"]),
     )
-
-
-@pytest.mark.gpu
-def test_scores_count_their_logits():
-    """Counting keys, over the steps of every key: the logits' bytes are
-    those of the key that does not count; the histogram its CTAs add up is
-    that of those logits (each row below its own end, within its entry's
-    columns; ``cases.select_histogram``), the row past the step's untouched;
-    the fed select over them, launched next on the same stream, writes the
-    contract's top-k and zeroes the histogram."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from select_contract import contract_topk
-
-    from vllm.models.glm5next.nvidia.specialized_decode import cases
-    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
-        FED_COLUMNS,
-        SELECT,
-    )
-
-    for key, entries, rng in _steps(fuzz_seed()):
-        args = _step(rng, key.heads, key.next_n, key.block, entries, "cuda")
-        rows, width = entries * key.next_n, args["max_model_len"]
-        plain = SCORES(**args)
-        histogram = torch.full((rows + 1, 257), 7, dtype=I32, device="cuda")
-        histogram[:rows] = 0
-        counted = SCORES(**args, histogram=histogram)
-        seq_lens = args["seq_lens"]
-        last = seq_lens[:, -1].clamp(0, width)
-        ends = torch.minimum(seq_lens.clamp(min=0), last[:, None]).reshape(-1)
-        valid = torch.arange(width, device="cuda")[None, :] < ends[:, None]
-        same = (plain.view(I32) == counted.view(I32)) | ~valid
-        assert bool(same.all()), (key, entries)
-        want = cases.select_histogram(counted, ends)
-        assert torch.equal(histogram[:rows], want), (key, entries)
-        assert bool((histogram[rows] == 7).all())
-        if width > FED_COLUMNS[-1]:
-            continue
-        row_ends = seq_lens.reshape(-1)
-        got = SELECT(logits=counted, ends=row_ends, k=512, histogram=histogram)
-        assert torch.equal(got, contract_topk(counted, row_ends, 512)), (key, entries)
-        assert not histogram[:rows].any()
 
 
 @pytest.mark.gpu

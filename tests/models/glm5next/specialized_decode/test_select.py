@@ -30,8 +30,8 @@ from pathlib import Path
 import draws
 import pytest
 import torch
-from kernel_ptx import compile_ptx, entry_resources, ops, resources
-from kpool_fuzz import FUZZ_REPORT, fuzz, fuzz_seed, launch_case, report
+from kernel_ptx import compile_ptx, ops, resources
+from kpool_fuzz import FUZZ_REPORT, fuzz, fuzz_seed, report
 from rule_edges import (
     SMS,
     declared_disagreements,
@@ -54,13 +54,9 @@ from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import
     CLUSTERS,
     MAX_K,
     SELECT,
-    SPLIT_CHUNK,
     cluster_for,
     one_wave,
     slice_capacity,
-    split_capacity,
-    split_chunk,
-    split_parts,
 )
 
 # select_contract.py (one directory up: the simulator's too).
@@ -320,17 +316,13 @@ def test_sm_count_reads_the_device_index(monkeypatch):
 WIDTHS = (1000, 1024, 16384 + 8, 65536, 100000, 262144, WIDEST)
 
 
-@pytest.mark.parametrize("routed", [False, True], ids=["cluster", "split-routed"])
 @pytest.mark.parametrize("one_wave_only", [False, True])
-def test_warmup_keys_are_what_spec_derives(one_wave_only, routed, monkeypatch):
+def test_warmup_keys_are_what_spec_derives(one_wave_only):
     """``get_warmup_keys(max_rows=R, ...)`` lists the keys ``spec`` derives
     for 1 to R rows of the width (``one_wave_only``: of those that fit one
-    wave), each once; with the split select routed past one wave
-    (``SPLIT_PAST_ONE_WAVE``), its keys among them."""
+    wave), each once."""
     from rule_edges import allow_cpu
 
-    monkeypatch.setattr(select, "SPLIT_PAST_ONE_WAVE", routed)
-    split = set()
     for dtype in (F32, BF16):
         for width in WIDTHS:
             listed = SELECT.get_warmup_keys(
@@ -349,9 +341,6 @@ def test_warmup_keys_are_what_spec_derives(one_wave_only, routed, monkeypatch):
                         ends = torch.zeros(rows, dtype=I32)
                         derived[SELECT.spec(logits=logits, ends=ends, k=K)[0]] = None
             assert listed == list(derived), (dtype, width)
-            split |= {key for key in listed if key.chunk}
-    # Routed, past one wave of 80 rows: 64K-pool and wider rows.
-    assert bool(split) == (routed and not one_wave_only), split
 
 
 def test_select_shapes_derive_every_key():
@@ -372,137 +361,6 @@ def test_select_shapes_derive_every_key():
         for rows, width in shapes:
             got = SELECT.dispatch(k=K, dtype=key.dtype, rows=rows, width=width, sms=SMS)
             assert got == key, (key, rows, width)
-
-
-def _split_keys() -> set:
-    """The split select's keys of every width it takes up to ``WIDEST`` (one
-    a capacity), FP32 and BF16."""
-    keys = set()
-    for dtype in (F32, BF16):
-        for width in range(SPLIT_CHUNK, WIDEST + 1, SPLIT_CHUNK // 2):
-            key = SELECT.dispatch(
-                k=K, dtype=dtype, rows=1, width=width, sms=SMS, split=True
-            )
-            if key.chunk:
-                keys.add(key)
-    return keys
-
-
-def test_split_widths_derive_every_split_key():
-    """Each split key has ``cases.split_widths`` that derive it and that the
-    rule takes, up to the widest row (the self-check and the fuzz loop draw
-    every one)."""
-    from rule_edges import allow_cpu
-
-    keys = _split_keys()
-    assert {key.capacity for key in keys} == {4096, 8192, 16384, 32768}
-    widest = set()
-    for key in keys:
-        widths = cases.split_widths(key, random.Random(key.capacity))
-        assert widths, key
-        widest.add(max(widths))
-        for width in widths:
-            logits = torch.zeros(1, width + -width % 8, dtype=key.dtype)[:, :width]
-            ends = torch.zeros(1, dtype=I32)
-            with allow_cpu():
-                got = SELECT.spec(logits=logits, ends=ends, k=K, split=True)[0]
-            assert got == key, (key, width)
-    assert WIDEST in widest
-
-
-# --- The split select (CPU) -----------------------------------------------------------
-
-
-def test_split_routing():
-    """The split select takes rows of two chunks and more whose candidates
-    (``k`` a chunk) one CTA holds, ``k`` a multiple of 4; routed
-    (``split=None``) only past one wave with ``SPLIT_PAST_ONE_WAVE``, which
-    is off: asked for (``split=True``), wherever it takes the shape."""
-    assert split_parts(SPLIT_CHUNK, K) == 0
-    assert split_parts(SPLIT_CHUNK + 1, K) == 2
-    assert split_parts(262144, K) == 16 and split_capacity(262144, K) == 8192
-    assert split_parts(WIDEST, K) == 52 and split_capacity(WIDEST, K) == 32768
-    assert split_parts(262144, 4096) == 0  # 16 x 4096 candidates
-    assert split_parts(262144, 2048) == 16 and split_capacity(262144, 2048) == 32768
-    assert split_parts(65536, K - 2) == 0
-    assert not select.SPLIT_PAST_ONE_WAVE
-    assert split_chunk(256, 262144, K, F32, SMS) == 0
-    assert split_chunk(1, 262144, K, F32, SMS, True) == SPLIT_CHUNK
-    assert split_chunk(256, 262144, K, F32, SMS, False) == 0
-    assert split_chunk(256, SPLIT_CHUNK, K, F32, SMS, True) == 0
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(select, "SPLIT_PAST_ONE_WAVE", True)
-        assert split_chunk(16, 262144, K, F32, SMS) == 0  # one wave
-        assert split_chunk(17, 262144, K, F32, SMS) == SPLIT_CHUNK
-        key = SELECT.dispatch(k=K, dtype=F32, rows=17, width=262144, sms=SMS)
-        assert key == SELECT.CompileKey(K, F32, 1, 8192, chunk=SPLIT_CHUNK)
-        # The fed select keeps its own key.
-        fed = SELECT.dispatch(k=K, dtype=F32, rows=17, width=262144, sms=SMS, fed=True)
-        assert fed.chunk == 0 and fed.columns == 262144
-
-
-def split_model(logits, ends, k: int, chunk: int) -> torch.Tensor:
-    """The split select's two launches on the contract alone:
-    ``contract_topk`` of each chunk of ``chunk`` columns, then of the row's
-    candidates (chunk ``c``'s at positions ``c * k`` on), each position
-    mapped back to the column it stands for."""
-    rows, width = logits.shape
-    parts = -(-width // chunk)
-    end = ends[:rows].long().clamp(0, width)
-    firsts = torch.arange(parts) * chunk
-    padded = logits.new_zeros((rows, parts * chunk))
-    padded[:, :width] = logits  # bit for bit (NaN payloads too)
-    chunk_ends = (end[:, None] - firsts[None]).clamp(0, chunk).to(I32)
-    picked = contract_topk(
-        padded.view(rows * parts, chunk), chunk_ends.view(-1), k
-    ).view(rows, parts, k)
-    valid = (picked >= 0).view(rows, -1)
-    candidates = (picked.long() + firsts[None, :, None]).view(rows, -1)
-    n = valid.sum(1)
-    # The valid candidates are positions [0, n), n as the merge counts them.
-    assert torch.equal(valid, torch.arange(parts * k)[None] < n[:, None])
-    full = end // chunk
-    assert torch.equal(n, full * k + (end - full * chunk).clamp(max=k))
-    # Gathered as bits: torch's CPU gather of BF16 does not keep NaNs' bits.
-    bits = logits.view(torch.int32 if logits.dtype == F32 else torch.int16)
-    values = bits.gather(1, candidates.clamp(0, width - 1)).view(logits.dtype)
-    positions = contract_topk(values, n.to(I32), k).long()
-    mapped = candidates.gather(1, positions.clamp(min=0))
-    return torch.where(positions >= 0, mapped, -1).to(I32)
-
-
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize(
-    "k, chunk, width",
-    [(4, 16, 17), (4, 16, 64), (8, 32, 100), (8, 32, 259), (16, 64, 1000)],
-)
-def test_split_model_is_the_contract(dtype, k, chunk, width):
-    """Why the split select's bytes are the select's: on the adversarial
-    rows (plateaus across the threshold, specials, every edge of the ends)
-    and on drawn ones, the contract's top ``k`` of each chunk, then of
-    their candidates, is the contract's top ``k`` of the row."""
-    gen = torch.Generator().manual_seed(width * k + chunk)
-    logits, ends = adversarial_rows(gen, dtype, k, width)
-    rng = random.Random(width)
-    drawn = [cases._select_values(8, width, dtype, rng, gen) for _ in range(12)]
-    logits = torch.cat([logits, *drawn])
-    chunk_ends = [0, chunk - 1, chunk, chunk + 1, chunk + k, 2 * chunk, width]
-    more = [rng.choice(chunk_ends + [rng.randint(0, width)]) for _ in range(96)]
-    ends = torch.cat([ends, torch.tensor(more, dtype=I32)])
-    want = contract_topk(logits, ends, k)
-    got = split_model(logits, ends, k, chunk)
-    bad = (got != want).any(1).nonzero().view(-1).tolist()
-    assert not bad, f"rows {bad[:5]}"
-
-
-def test_split_model_at_the_kernels_chunk():
-    """... at ``SPLIT_CHUNK`` and k 512, 3 chunks and a few columns."""
-    width = 2 * SPLIT_CHUNK + 5
-    gen = torch.Generator().manual_seed(3)
-    logits, ends = adversarial_rows(gen, F32, K, width)
-    assert torch.equal(
-        split_model(logits, ends, K, SPLIT_CHUNK), contract_topk(logits, ends, K)
-    )
 
 
 # --- Compile (CPU) ----------------------------------------------------------------
@@ -552,61 +410,6 @@ def test_select_ptx(arch, cluster, capacity, dtype):
         assert text.count("barrier.cluster.wait") == passes + 1
     if dtype == BF16:
         assert "ld.global.nc.b16" in text
-
-
-@pytest.mark.parametrize("columns", select.FED_COLUMNS)
-def test_fed_select_ptx(columns):
-    """The fed select: PDL; no spills within one 1024-thread CTA's 64
-    registers; 16-byte row loads; the keys; the histogram's words read and
-    zeroed; shared counts and bitmap words; no cluster."""
-    key = SELECT.CompileKey(K, F32, 1, 0, columns)
-    text = compile_ptx(SELECT, key, "sm_90a")
-    count = ops(text)
-    assert (
-        count["griddepcontrol.wait"] == count["griddepcontrol.launch_dependents"] == 1
-    )
-    assert ".local" not in text, "spills to local memory"
-    registers, spilled = resources(text, "sm_90a")
-    assert registers * THREADS <= 65536 and spilled == 0, (registers, spilled)
-    assert "ld.global.nc.v4.b32" in text
-    assert "shr.s32 m," in text and "or.b32 m,m,0x80000000" in text
-    assert "atom.shared.or.b32" in text or "red.shared.or.b32" in text
-    assert "vote.sync.any.pred" in text and "vote.sync.ballot.b32" in text
-    assert "barrier.cluster" not in text and "mapa" not in text
-
-
-@pytest.mark.parametrize("lean", [True, False], ids=["lean", "passes"])
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_split_select_ptx(arch, dtype, lean, monkeypatch):
-    """The split select: two kernels, each with PDL; the chunks' two CTAs an
-    SM (32 registers), the merge's one, neither spilling; the chunks' 16-byte
-    row loads; the merge's 16-byte reads of the workspace and single
-    gathers of the logits; no cluster. Lean (``split.LEAN``): the bitmaps'
-    shared ORs, no compaction's global store a key; else the select's own
-    passes and compaction."""
-    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import split
-
-    monkeypatch.setattr(split, "LEAN", lean)
-    key = SELECT.CompileKey(K, dtype, 1, split_capacity(262144, K), chunk=SPLIT_CHUNK)
-    text = compile_ptx(SELECT, key, arch)
-    assert ("atom.shared.or.b32" in text or "red.shared.or.b32" in text) == lean
-    count = ops(text)
-    assert text.count(".entry") == 2
-    assert (
-        count["griddepcontrol.wait"] == count["griddepcontrol.launch_dependents"] == 2
-    )
-    assert ".local" not in text, "spills to local memory"
-    assert ".minnctapersm 2" in text and ".minnctapersm 1" in text
-    used = entry_resources(text, arch)
-    chunk = next(v for name, v in used.items() if "ChunkSelect" in name)
-    merge = next(v for name, v in used.items() if "MergeSelect" in name)
-    assert chunk[0] <= 32 and chunk[1] == 0, chunk
-    assert merge[0] <= 64 and merge[1] == 0, merge
-    assert "ld.global.nc.v4.b32" in text
-    assert "barrier.cluster" not in text and "mapa" not in text
-    gather = "ld.global.nc.b32" if dtype == F32 else "ld.global.nc.b16"
-    assert gather in text
 
 
 # --- GPU: the contract ----------------------------------------------------------------
@@ -729,14 +532,13 @@ def _probe_rows(dtype, width: int, gen: torch.Generator):
     return logits, ends, table
 
 
-def _select_and_remap(logits, ends, table, split=None):
-    """The opt-in select (``split``: the split select's argument) and the
-    fused remap of the rows (the stage's chain after the scores): pool ids,
-    physical slots, counts."""
+def _select_and_remap(logits, ends, table):
+    """The opt-in select and the fused remap of the rows (the stage's chain
+    after the scores): pool ids, physical slots, counts."""
     from vllm.models.glm5next.nvidia.specialized_decode import kpool
 
     rows = logits.shape[0]
-    pool_ids = kpool.select_topk(logits, ends, K, split=split)
+    pool_ids = kpool.select_topk(logits, ends, K)
     positions = ends.long() * 4 + 2
     width = K * 4 + 3
     slots = torch.full((rows, -(-width // 128) * 128), 7, dtype=I32, device="cuda")
@@ -757,26 +559,21 @@ def _select_and_remap(logits, ends, table, split=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [None, True], ids=["routed", "split"])
-def test_select_and_remap_bytes_do_not_depend_on_the_batch(split):
+def test_select_and_remap_bytes_do_not_depend_on_the_batch():
     """``PROBES`` rows at random places of batches of 1 to 256 rows beside
-    random neighbours (FP32 and BF16, 16K to 256K pools; the split select,
-    asked for: from 64K): every byte of their pool ids, slots and counts
-    equals what they get alone, and alone their pool ids are the
-    contract's."""
+    random neighbours (FP32 and BF16, 16K to 256K pools): every byte of
+    their pool ids, slots and counts equals what they get alone, and alone
+    their pool ids are the contract's."""
     seed = fuzz_seed()
     gen = torch.Generator("cuda").manual_seed(seed)
     rng = random.Random(seed)
     batches = compared = 0
     failures = []
-    widths = (65536, 262144) if split else (16384, 65536, 262144)
     for dtype in (F32, BF16):
-        for width in widths:
+        for width in (16384, 65536, 262144):
             logits, ends, table = _probe_rows(dtype, width, gen)
             alone = [
-                _select_and_remap(
-                    logits[i : i + 1], ends[i : i + 1], table[i : i + 1], split
-                )
+                _select_and_remap(logits[i : i + 1], ends[i : i + 1], table[i : i + 1])
                 for i in range(PROBES)
             ]
             want = contract_topk(logits, ends, K)
@@ -800,7 +597,7 @@ def test_select_and_remap_bytes_do_not_depend_on_the_batch(split):
                         ends[probe],
                         table[probe],
                     )
-                got = _select_and_remap(x, e, t, split)
+                got = _select_and_remap(x, e, t)
                 for place, probe in zip(places, probes, strict=True):
                     for name, out, ref in zip(
                         ("ids", "slots", "counts"), got, alone[probe], strict=True
@@ -815,47 +612,9 @@ def test_select_and_remap_bytes_do_not_depend_on_the_batch(split):
                                 f"{place} (probe {probe}): {name} differ"
                             )
     FUZZ_REPORT.append(
-        f"select batch invariance ({'split' if split else 'routed'}): {batches} "
+        f"select batch invariance: {batches} "
         f"batches of 1-256 rows, seed {seed}, "
         f"{compared} bytes compared, {len(failures)} mismatches"
-    )
-    assert not failures, "\n".join(failures[:10])
-
-
-@pytest.mark.gpu
-def test_fed_select_bytes_do_not_depend_on_the_batch():
-    """The fed select: ``PROBES`` FP32 rows of 16K to 256K pools at random
-    places of batches of 1 to 256 rows beside random neighbours, fed the
-    counts of their logits (half the batches: none, so that each row counts
-    its own first digit): every probe's pool ids are the contract's, which
-    they are alone."""
-    seed = fuzz_seed()
-    gen = torch.Generator("cuda").manual_seed(seed)
-    rng = random.Random(seed)
-    batches = 0
-    failures = []
-    for width in (16384, 65536, 262144):
-        logits, ends, _ = _probe_rows(F32, width, gen)
-        want = contract_topk(logits, ends, K)
-        for batch in BATCHES:
-            batches += 1
-            places = rng.sample(range(batch), min(batch, PROBES))
-            probes = rng.sample(range(PROBES), len(places))
-            x = torch.randn(batch, width, device="cuda", generator=gen)
-            e = torch.randint(1, width + 1, (batch,), device="cuda", generator=gen)
-            e = e.to(I32)
-            for place, probe in zip(places, probes, strict=True):
-                x[place], e[place] = logits[probe], ends[probe]
-            histogram = cases.select_histogram(x, e.long())
-            if rng.random() < 0.5:
-                histogram.zero_()
-            got = SELECT(logits=x, ends=e, k=K, histogram=histogram)
-            for place, probe in zip(places, probes, strict=True):
-                if not torch.equal(got[place], want[probe]):
-                    failures.append(f"{width} batch {batch} row {place}: differ")
-    FUZZ_REPORT.append(
-        f"fed select batch invariance: {batches} batches of 1-256 rows, seed "
-        f"{seed}, {len(failures)} mismatches"
     )
     assert not failures, "\n".join(failures[:10])
 
@@ -942,95 +701,6 @@ def test_select_zero_plateaus(dtype, width):
     assert torch.equal(got, contract_topk(logits, ends, K))
 
 
-@pytest.mark.gpu
-def test_fed_select_matches_the_contract():
-    """The fed select (one CTA a row, its first digit from the histogram):
-    every byte of the output buffer against ``contract_topk`` and the
-    histogram's rows zeroed (the row past them and the columns past 257
-    untouched), over every ``columns`` key; the histograms the scores
-    count, none, stale or lying (``cases.fed_histogram``)."""
-    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
-        sm_count,
-    )
-
-    sms = sm_count(torch.cuda.current_device())
-    keys = [SELECT.CompileKey(K, F32, 1, 0, c) for c in select.FED_COLUMNS]
-
-    def check(rng, gen):
-        case = cases.select_case(rng, gen, rng.choice(keys), sms=sms)
-        logits, ends = case.arguments["logits"], case.arguments["ends"]
-        want = contract_topk(logits, ends, K)
-        if not torch.equal(case.expected[0][: logits.shape[0], :K], want):
-            return f"{draws.about(case)}: select_reference differs from the contract"
-        return launch_case(SELECT, case)
-
-    fuzz("fed select", 2000, check)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("width", [K + 1, 65536, 262144])
-def test_fed_select_edges(width):
-    """The fed select on the rows of the select's edge tests (whole bins at
-    each pass, +0.0 plateaus, all-special and signed-zero rows), fed the
-    histogram the scores would count and none: the contract's columns, the
-    histogram zeroed."""
-    gen = torch.Generator().manual_seed(width + 2)
-    special = cases.special_values(F32, "cpu")
-    signed = torch.zeros(2, width)
-    signed[:, 1::2] = -0.0
-    rows = [
-        whole_bin_rows(F32, width, gen),
-        zero_plateau_rows(F32, width, gen),
-        special[torch.randint(0, special.numel(), (2, width), generator=gen)],
-        signed,
-        torch.full((1, width), 1.5),
-    ]
-    logits = aligned_rows(torch.cat(rows))
-    n = logits.shape[0]
-    ends = torch.tensor(
-        [width, K + 1, 3000, width - 1] * (n // 4) + [width] * (n % 4),
-        dtype=I32,
-        device="cuda",
-    )
-    want = contract_topk(logits, ends, K)
-    for counted in (True, False):
-        histogram = cases.select_histogram(logits, ends.long().clamp(0, width))
-        if not counted:
-            histogram.zero_()
-        got = SELECT(logits=logits, ends=ends, k=K, histogram=histogram)
-        assert torch.equal(got, want), counted
-        assert not histogram.any()
-
-
-@pytest.mark.gpu
-def test_fed_select_behind_the_scores_stream():
-    """The fed select on a side stream reads the histogram the compute
-    stream is still writing, the hand-over an event: the select waits for
-    it (the histogram and logits written after a long kernel on the compute
-    stream) and its bytes are the contract's."""
-    gen = torch.Generator().manual_seed(5)
-    width = 65536
-    values = torch.randn(4, width, generator=gen)
-    ends = torch.tensor([width, 9000, K + 1, width - 7], dtype=I32, device="cuda")
-    logits = torch.zeros(4, width, device="cuda")
-    histogram = torch.zeros(4, 257, dtype=I32, device="cuda")
-    side = torch.cuda.Stream()
-    ready = torch.cuda.Event()
-    busy = torch.zeros(1 << 26, device="cuda")
-    for _ in range(20):  # the compute stream runs behind
-        busy.mul_(1.0001)
-    logits.copy_(aligned_rows(values))
-    histogram.copy_(cases.select_histogram(logits, ends.long()))
-    ready.record()
-    with torch.cuda.stream(side):
-        side.wait_event(ready)
-        got = SELECT(logits=logits, ends=ends, k=K, histogram=histogram)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    assert torch.equal(got, contract_topk(logits, ends, K))
-    assert not histogram.any()
-
-
 def sparse_attention(q, kv, index, scale):
     """Attention of each query row over the KV rows ``index[row]`` lists
     (-1: none), in FP32: softmax(q . kv[index] * scale) @ kv[index]."""
@@ -1039,96 +709,6 @@ def sparse_attention(q, kv, index, scale):
     scores = torch.einsum("rhd,rkd->rhk", q, rows) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     return torch.einsum("rhk,rkd->rhd", scores.softmax(-1), rows)
-
-
-# --- GPU: the split select ------------------------------------------------------------
-
-
-@pytest.mark.gpu
-def test_split_select_matches_the_contract():
-    """The split select (``split=True``): every byte of the output buffer
-    against ``contract_topk`` over every split key (FP32 and BF16, each
-    merge capacity), its workspace poisoned or allocated; the first cases
-    take each key in turn."""
-    from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select.launch import (
-        sm_count,
-    )
-
-    sms = sm_count(torch.cuda.current_device())
-    keys = sorted(_split_keys(), key=str)
-    seen = Counter()
-    drawn = [0]
-
-    def check(rng, gen):
-        key = keys[drawn[0]] if drawn[0] < len(keys) else rng.choice(keys)
-        drawn[0] += 1
-        case = cases.select_case(rng, gen, key, sms=sms)
-        if SELECT.spec(**case.arguments)[0] != key:
-            return f"{draws.about(case)}: does not derive {key}"
-        seen[f"{str(key.dtype)[6:]} {key.capacity}"] += 1
-        logits, ends = case.arguments["logits"], case.arguments["ends"]
-        want = contract_topk(logits, ends, K)
-        if not torch.equal(case.expected[0][: logits.shape[0], :K], want):
-            return f"{draws.about(case)}: select_reference differs from the contract"
-        return launch_case(SELECT, case)
-
-    try:
-        fuzz("split select", 1000, check)
-    finally:
-        FUZZ_REPORT.append(f"split select cases by dtype and capacity: {dict(seen)}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("width", [SPLIT_CHUNK + 1, 65536, 262144 + 3, WIDEST])
-def test_split_select_edges(dtype, width):
-    """The split select on the select's edge rows: all-zero, all -0.0,
-    signed zeros, all specials, whole bins at each pass, +0.0 plateaus;
-    ends at 0, 1, k-1, k, k+1, a chunk's end and past it, full: the
-    contract's columns."""
-    gen = torch.Generator().manual_seed(width + 3)
-    special = cases.special_values(dtype, "cpu")
-    signed = torch.zeros(2, width, dtype=dtype)
-    signed[:, 1::2] = -0.0
-    rows = [
-        torch.zeros(2, width, dtype=dtype),
-        torch.full((2, width), -0.0, dtype=dtype),
-        signed,
-        special[torch.arange(2 * width) % len(special)].view(2, width),
-        whole_bin_rows(dtype, width, gen),
-        zero_plateau_rows(dtype, width, gen),
-    ]
-    logits = aligned_rows(torch.cat(rows))
-    n = logits.shape[0]
-    edges = [0, 1, K - 1, K, K + 1, SPLIT_CHUNK, SPLIT_CHUNK + 1, width]
-    varied = torch.tensor([edges[r % len(edges)] for r in range(n)], dtype=I32)
-    for ends in (varied.cuda(), torch.full((n,), width, dtype=I32, device="cuda")):
-        got = SELECT(logits=logits, ends=ends, k=K, split=True)
-        assert torch.equal(got, contract_topk(logits, ends, K))
-
-
-@pytest.mark.gpu
-def test_split_select_in_a_cuda_graph():
-    """The split select captured in a CUDA graph with its workspace and
-    output given (no allocation, no compile in the capture): each replay
-    over new logits and ends is the contract's."""
-    gen = torch.Generator("cuda").manual_seed(11)
-    rows, width = 40, 65536 + 7
-    logits = aligned_rows(torch.zeros(rows, width))
-    ends = torch.zeros(rows, dtype=I32, device="cuda")
-    out = torch.empty(rows, K, dtype=I32, device="cuda")
-    chunks = torch.empty(rows * split_parts(width, K), K, dtype=I32, device="cuda")
-    arguments = dict(logits=logits, ends=ends, k=K, out=out, chunks=chunks, split=True)
-    SELECT(**arguments)  # compiled here, before the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        SELECT(**arguments)
-    for _ in range(3):
-        logits.copy_(torch.randn(rows, width, device="cuda", generator=gen))
-        ends.copy_(torch.randint(0, width + 9, (rows,), device="cuda", generator=gen))
-        graph.replay()
-        assert torch.equal(out, contract_topk(logits, ends, K))
 
 
 @pytest.mark.gpu

@@ -229,19 +229,9 @@ def corrupt_last_byte(number, case):
 
 
 # (kernel, buffer): every buffer of every kernel; the update writes its
-# cache and its tail ring, the remap its output and its counts; the fed
-# select and the counting scores (``FED``'s keys) also the histogram.
+# cache and its tail ring, the remap its output and its counts.
 BUFFERS = [(UPDATE, 0), (UPDATE, 1), (EXPAND, 0), (REMAP, 0), (REMAP, 1)]
-BUFFERS += [(UPCAST, 0), (SELECT, 0), (SCORES, 0), (SELECT, 1), (SCORES, 1)]
-# The keys whose cases write a histogram: the fed select, the counting scores.
-FED = {SELECT: dict(fed=True), SCORES: dict(histogram=True)}
-
-
-def buffer_key(kernel, buffer: int):
-    """The base case's key of ``kernel``, its fed form for a second buffer
-    of the select or the scores."""
-    fed = FED[kernel] if buffer and kernel in FED else {}
-    return kernel.dispatch(**KEYS[kernel] | fed)
+BUFFERS += [(UPCAST, 0), (SELECT, 0), (SCORES, 0)]
 
 
 @pytest.mark.parametrize(
@@ -251,7 +241,7 @@ def test_one_byte_of_one_buffer_is_caught(drawn, kernel, buffer):
     """An executor that writes stock's bytes but one, in one of the buffers
     it writes (the others right), is reported with the case's number and
     seed; the same executor without the change passes."""
-    key, seed = buffer_key(kernel, buffer), SEEDS[kernel]
+    key, seed = kernel.dispatch(**KEYS[kernel]), SEEDS[kernel]
     assert check({key: drawn.stock()}, seed, 1) is None
 
     def corrupt(number, case):
@@ -393,13 +383,12 @@ def stock_twin(key):
 def test_stock_twins_on_the_launch_arguments_pass(on_cpu, kernel):
     """Each case's expected bytes are what the stock twin writes when it is
     handed the arguments the kernel is launched with (two cases of the base
-    case's key and seed; the select's and the scores' fed keys too): the
-    cases' reference is stock's, and ``spec`` hands the kernel the case's
-    buffers. (Not the upcast: the simulator's twin writes no column past
-    the width, where a row end in the padding has stock convert too.)"""
-    for buffer in (0, 1) if kernel in FED else (0,):
-        key = buffer_key(kernel, buffer)
-        assert check({key: stock_twin(key)}, SEEDS[kernel], 2) is None
+    case's key and seed): the cases' reference is stock's, and ``spec``
+    hands the kernel the case's buffers. (Not the upcast: the simulator's
+    twin writes no column past the width, where a row end in the padding
+    has stock convert too.)"""
+    key = kernel.dispatch(**KEYS[kernel])
+    assert check({key: stock_twin(key)}, SEEDS[kernel], 2) is None
 
 
 def test_special_values_are_the_specials_bit_for_bit():
@@ -500,10 +489,9 @@ def deployment_keys(sms: int) -> list:
     """(kernel, key) of a GLM-5-Next deployment's variants: the update of an
     8-token ring and 64-token pages (both scale formats), the decode
     expansion, the fused remap with and without counts, the upcast, the
-    select of 1-64 rows of 65536 pools (FP32 and BF16 logits; FP32 fed
-    too), the scores of the 16 heads (views of vLLM's padded 32) at each
-    next_n DeepGEMM's SM90 kernel takes, of 64-pool pages, counting and
-    not."""
+    select of 1-64 rows of 65536 pools (FP32 and BF16 logits), the scores
+    of the 16 heads (views of vLLM's padded 32) at each next_n DeepGEMM's
+    SM90 kernel takes, of 64-pool pages."""
     update = KEYS[UPDATE]
     keys = [
         (UPDATE, UPDATE.dispatch(**update | dict(mx_scales=mx))) for mx in (True, False)
@@ -514,10 +502,8 @@ def deployment_keys(sms: int) -> list:
     keys.append((UPCAST, UPCAST.dispatch()))
     for dtype in (torch.float32, torch.bfloat16):
         values = dict(max_rows=64, k=512, dtype=dtype, width=65536, sms=sms)
-        fed = WarmupChoices(False, True) if dtype == torch.float32 else False
-        keys += [(SELECT, key) for key in SELECT.get_warmup_keys(**values, fed=fed)]
+        keys += [(SELECT, key) for key in SELECT.get_warmup_keys(**values)]
     values = dict(heads=16, next_n=WarmupChoices(1, 2, 4), block=64)
-    values |= dict(histogram=WarmupChoices(False, True))
     keys += [(SCORES, key) for key in SCORES.get_warmup_keys(**values)]
     return keys
 

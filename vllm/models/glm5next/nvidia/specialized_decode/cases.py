@@ -8,7 +8,8 @@ A ``Case`` holds the kernel's keyword arguments, every buffer the kernel may
 write (whole, filled with random bytes first: ``poisoned``) and copies of
 them as the stock twin leaves them, computed when the case is drawn (where
 stock leaves memory unwritten, only what it wrote is read). The opt-in
-select's expected rows are its contract (``select_reference``)."""
+select's expected rows are its contract (``select_reference``). A kernel's
+cases are of the compile keys its routing can launch."""
 
 import random
 from dataclasses import dataclass
@@ -29,18 +30,8 @@ from .constants import DIM, INT32_MAX, POOL
 from .cutedsl.expand.launch import EXPAND
 from .cutedsl.remap.launch import REMAP
 from .cutedsl.scores.launch import SCORES, row_stride, sm_count
-from .cutedsl.select.fed import HISTOGRAM
 from .cutedsl.select.kernel import CAPACITIES, VECTOR
-from .cutedsl.select.launch import (
-    CLUSTERS,
-    FED_COLUMNS,
-    SELECT,
-    SPLIT_CHUNK,
-    cluster_for,
-    slice_capacity,
-    split_capacity,
-    split_parts,
-)
+from .cutedsl.select.launch import SELECT, cluster_for, slice_capacity
 from .cutedsl.upcast.kernel import GROUP_ROWS, TILE
 from .cutedsl.upcast.launch import UPCAST
 from .cutedsl.update.launch import UPDATE
@@ -380,7 +371,11 @@ def upcast_case(rng: random.Random, gen: torch.Generator, key) -> Case:
 
 
 def select_reference(logits: torch.Tensor, ends: torch.Tensor, k: int):
-    """``SelectKernel``'s contract (its docstring), by sorting."""
+    """``SelectKernel``'s contract (its docstring), by sorting: the
+    self-check's expected rows, and the product's one host statement of the
+    select's order key (the device's: ``order_key32``/``order_key16`` of
+    ``cutedsl/common/ptx.py``). The tests hold it against their own
+    statement of the contract (``select_contract.py``)."""
     rows, width = logits.shape
     if logits.dtype == torch.bfloat16:
         bits, sign, full = logits.view(torch.int16).long() & 0xFFFF, 1 << 15, 0xFFFF
@@ -396,32 +391,6 @@ def select_reference(logits: torch.Tensor, ends: torch.Tensor, k: int):
     slots = torch.arange(k, device=logits.device)
     short = torch.where(slots[None, :] < ends[:, None], slots[None, :], -1)
     return torch.where((ends > k)[:, None], top, short).to(torch.int32)
-
-
-def order_keys(logits: torch.Tensor) -> torch.Tensor:
-    """The FP32 order keys of ``logits`` (``select/kernel.py``'s ``_key32``),
-    as int64."""
-    bits = logits.view(torch.int32).long() & 0xFFFFFFFF
-    return torch.where(bits >> 31 != 0, 0xFFFFFFFF - bits, bits | (1 << 31))
-
-
-def select_histogram(logits: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """What the fed select reads (``select/fed.py``): each row's columns below
-    ``clamp(end, 0, width)`` by the top 8 bits of their order key, then its
-    +0.0 count; int32 [rows, 257]."""
-    rows, width = logits.shape
-    keys = order_keys(logits)
-    valid = torch.arange(width, device=logits.device)[None, :] < ends[:rows, None]
-    bins = torch.where(valid, keys >> 24, BINS_PAST)
-    counts = torch.zeros(rows, BINS_PAST + 1, dtype=torch.int64, device=logits.device)
-    counts.scatter_add_(1, bins, torch.ones_like(bins))
-    counts[:, -1] = ((keys == 1 << 31) & valid).sum(1)
-    return counts.to(torch.int32)
-
-
-# The bin a column past its row's end counts in (dropped), also the column
-# of the +0.0 count.
-BINS_PAST = HISTOGRAM - 1
 
 
 def select_shapes(key, sms: int) -> list[tuple[int, int]]:
@@ -444,23 +413,6 @@ def select_shapes(key, sms: int) -> list[tuple[int, int]]:
                 shapes.append((rows, width))
     small = [(rows, width) for rows, width in shapes if rows * width <= 1 << 23]
     return small or sorted(shapes)[:1] or [(1, key.capacity * key.cluster)]
-
-
-def split_widths(key, rng: random.Random) -> list[int]:
-    """Widths whose split select key is ``key``: of the fewest and the most
-    chunks whose candidates (``k`` a chunk) its capacity holds and the rule
-    takes (its widest row), and one between, each a column past a chunk,
-    chunks whole, or in between."""
-    capacities = (0, *CAPACITIES)
-    below = capacities[capacities.index(key.capacity) - 1]
-    widest = CLUSTERS[-1] * CAPACITIES[-1]
-    low = max(2, below // key.k + 1)
-    high = min(key.capacity // key.k, widest // SPLIT_CHUNK)
-    widths = []
-    for parts in {low, high, rng.randint(low, high)}:
-        first, last = (parts - 1) * SPLIT_CHUNK + 1, parts * SPLIT_CHUNK
-        widths += [first, last, rng.randint(first, last)]
-    return [w for w in widths if split_capacity(w, key.k) == key.capacity]
 
 
 def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
@@ -502,35 +454,22 @@ def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
 
 
 def select_case(rng: random.Random, gen: torch.Generator, key, *, sms: int) -> Case:
-    """A case of ``key`` on ``sms`` SMs, of one of its shapes (the fed
-    select's: 1-16 rows a bit wider than the next smaller key's columns, up
-    to its own; the split select's: ``split_widths``, up to 2^23 logits)."""
-    if key.chunk:
-        width = rng.choice(split_widths(key, rng))
-        most = max(1, min(32, (1 << 23) // width))
-        return select_rows_case(rng, gen, key, rng.choice([1, 2, most]), width)
-    if not key.columns:
-        rows, width = rng.choice(select_shapes(key, sms))
-        return select_rows_case(rng, gen, key, rows, width)
-    below = (0, *FED_COLUMNS)[FED_COLUMNS.index(key.columns)]
-    width = rng.choice([below + 1, key.columns, rng.randint(below + 1, key.columns)])
-    rows = rng.choice([1, 2, rng.randint(1, 16)])
-    return select_rows_case(rng, gen, key, rows, max(width, key.k + 2))
+    """A case of ``key`` on ``sms`` SMs, of one of its shapes
+    (``select_shapes``)."""
+    rows, width = rng.choice(select_shapes(key, sms))
+    return select_rows_case(rng, gen, key, rows, width)
 
 
 def select_rows_case(rng, gen: torch.Generator, key, rows: int, width: int) -> Case:
     """Logits of ``rows`` x ``width`` in padded rows whose padding (+NaN, the
-    largest key) must never count; row ends at 0, 1, k-1, k, k+1, a chunk's
-    end and past it (the split select), the width and past it, negative,
-    anywhere; ``out`` a column slice of a wider buffer; the split select's
-    workspace poisoned, of rows padded and a few rows more, or left out."""
+    largest key) must never count; row ends at 0, 1, k-1, k, k+1, the width
+    and past it, negative, anywhere; ``out`` a column slice of a wider
+    buffer."""
     device, k, vector = gen.device, key.k, VECTOR[key.dtype]
     pitch = width + -width % vector + vector * rng.choice([0, 0, 1, 16])
     storage = special_values(key.dtype, device)[2:3].repeat(rows, pitch)
     storage[:, :width] = _select_values(rows, width, key.dtype, rng, gen)
     edges = [0, 1, k - 1, k, k + 1, width - 1, width, width + 5, -3, INT32_MAX]
-    if key.chunk:
-        edges += [SPLIT_CHUNK, SPLIT_CHUNK + 1, SPLIT_CHUNK + k + 1]
     ends = [
         rng.choice(edges) if rng.random() < 0.5 else rng.randint(0, width)
         for _ in range(rows + rng.randint(0, 2))
@@ -540,52 +479,8 @@ def select_rows_case(rng, gen: torch.Generator, key, rows: int, width: int) -> C
     want = out.clone()
     logits = storage[:, :width]
     want[:rows, :k] = select_reference(logits, ends, k)
-    arguments = dict(logits=logits, ends=ends, k=k, out=out[:rows, :k], histogram=None)
-    arguments |= dict(chunks=None, split=None)
-    if key.chunk:
-        chunk_rows = rows * split_parts(width, k) + rng.choice([0, 3])
-        chunks = poisoned((chunk_rows, k + rng.choice([0, 4])), torch.int32, gen)
-        arguments |= dict(split=True, chunks=rng.choice([chunks[:, :k], None]))
-    if not key.columns:
-        return Case(arguments, (out,), (want,))
-    histogram, after = fed_histogram(logits, ends, rng, gen)
-    arguments["histogram"] = histogram[:, :HISTOGRAM]
-    return Case(arguments, (out, histogram), (want, after))
-
-
-def fed_histogram(logits, ends, rng, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fed select's ``histogram`` of a case (rows of ``logits``, then
-    one poisoned row nothing touches, in wider rows) and it as the select
-    leaves it (its rows zeroed): the scores' counts mostly; else none (the
-    scores did not run), stale ones added, or counts that sum right but lie
-    (a bin's count moved to another), which the select must catch."""
-    rows = logits.shape[0]
-    storage = poisoned((rows + 1, HISTOGRAM + rng.choice([0, 3])), torch.int32, gen)
-    counts = select_histogram(logits, ends.long().clamp(0, logits.shape[1]))
-    kind = rng.choice(["counted"] * 5 + ["none", "stale", "lying"])
-    if kind == "none":
-        counts.zero_()
-    elif kind == "stale":
-        counts[:, :-1] += torch.randint(
-            0,
-            3,
-            counts[:, :-1].shape,
-            generator=gen,
-            device=gen.device,
-            dtype=torch.int32,
-        )
-    elif kind == "lying":
-        moved = torch.randint(1, 256, (rows,), generator=gen, device=gen.device)
-        lie = counts[:, :-1].clone()
-        top = lie.argmax(1)
-        taken = lie.gather(1, top[:, None]).clamp(max=rng.choice([1, 7, 1000]))
-        lie.scatter_add_(1, top[:, None], -taken)
-        lie.scatter_add_(1, ((top + moved) % 256)[:, None], taken)
-        counts[:, :-1] = lie
-    storage[:rows, :HISTOGRAM] = counts
-    after = storage.clone()
-    after[:rows, :HISTOGRAM] = 0
-    return storage, after
+    arguments = dict(logits=logits, ends=ends, k=k, out=out[:rows, :k])
+    return Case(arguments, (out,), (want,))
 
 
 # --- paged scores ---------------------------------------------------------------
@@ -683,21 +578,8 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     below = torch.arange(width, device=gen.device)[None, :] < ends[:, None]
     kept = want.view(torch.int32)[:, :width]
     kept.copy_(torch.where(below, stock, kept))
-    arguments |= dict(out=out[:, :width], histogram=None)
-    if not key.histogram:
-        return Case(arguments, (out,), (want,))
-    # Zero (as the select leaves it) for the step's rows; one more row, and
-    # wider rows, poisoned: not the kernel's to touch.
-    rows = entries * next_n
-    histogram = poisoned((rows + 1, HISTOGRAM + rng.choice([0, 5])), torch.int32, gen)
-    histogram[:rows, :HISTOGRAM] = 0
-    counted = histogram.clone()
-    # Each row's columns below its own end, within what its entry writes.
-    row_ends = torch.minimum(seq_lens.clamp(min=0), last.clamp(max=width)[:, None])
-    logits = stock.view(torch.float32)
-    counted[:rows, :HISTOGRAM] = select_histogram(logits, row_ends.view(-1))
-    arguments["histogram"] = histogram[:, :HISTOGRAM]
-    return Case(arguments, (out, histogram), (want, counted))
+    arguments["out"] = out[:, :width]
+    return Case(arguments, (out,), (want,))
 
 
 CASES = {UPDATE: update_case, EXPAND: expand_case, REMAP: remap_case}

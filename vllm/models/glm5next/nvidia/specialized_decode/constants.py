@@ -6,7 +6,8 @@ before vLLM is imported)."""
 
 # Keys pooled per index entry (``index_kpool``): every kernel takes 4.
 POOL = 4
-# The index head dimension (``index_head_dim``).
+# The index head dimension (``index_head_dim``); in FP8, one 128-byte
+# swizzle row of the scores' tiles.
 DIM = 128
 # The most pools a top-k row selects that one CTA maps (a thread a pool).
 MAX_GROUPS = 1024

@@ -2,8 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The kpool indexer's decode kernels in CuTe DSL, bit for bit with the stock
 Triton kernels of ``ops/kpool_compress.py``, ``as_fp32_logits`` and the
-sparse MLA index conversion, and the stage that runs them in planned decode
-steps (``KpoolStage``, ``FusedRemap``).
+sparse MLA index conversion: the kernels' public face. The stage that runs
+them in planned decode steps is in ``runtime/`` (``runtime.stage.KpoolStage``,
+``runtime.remap.FusedRemap``), above this module, which imports none of it.
 
 Each function is its kernel's contract (the kernel class's docstring in
 ``cutedsl/<op>/launch.py``), takes what its rule (``check`` there) admits
@@ -25,12 +26,8 @@ from .cutedsl.remap.launch import REMAP
 from .cutedsl.select.launch import SELECT
 from .cutedsl.upcast.launch import UPCAST
 from .cutedsl.update.launch import UPDATE
-from .runtime.remap import FusedRemap
-from .runtime.stage import KpoolStage
 
 __all__ = [
-    "FusedRemap",
-    "KpoolStage",
     "Refused",
     "expand_and_remap",
     "expand_pools",
@@ -130,9 +127,6 @@ def select_topk(
     k: int,
     *,
     out: torch.Tensor | None = None,
-    chunks: torch.Tensor | None = None,
-    split: bool | None = None,
 ) -> torch.Tensor:
-    """``SelectKernel``'s contract (``split``: the split select, the same
-    bytes; ``chunks`` its workspace); returns the int32 [rows, k] ids."""
-    return SELECT(logits=logits, ends=ends, k=k, out=out, chunks=chunks, split=split)
+    """``SelectKernel``'s contract; returns the int32 [rows, k] ids."""
+    return SELECT(logits=logits, ends=ends, k=k, out=out)

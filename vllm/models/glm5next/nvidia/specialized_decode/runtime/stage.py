@@ -24,19 +24,12 @@ from ..cutedsl.common.host import STOCK
 from ..cutedsl.expand.launch import ExpandKernel
 from ..cutedsl.remap.launch import RemapKernel, remap_takes
 from ..cutedsl.scores.launch import ScoresKernel, served_heads
-from ..cutedsl.select import launch as select_launch
-from ..cutedsl.select.fed import HISTOGRAM
-from ..cutedsl.select.launch import SelectKernel, fed_columns, one_wave, sm_count
+from ..cutedsl.select.launch import SelectKernel, one_wave, sm_count
 from ..cutedsl.upcast.launch import UpcastKernel
 from ..cutedsl.update.launch import UpdateKernel
 from .remap import Deferred, FusedRemap, why_not_fusable
 from .steps import PlannedSteps
 from .warmup import StageWarmup
-
-# Whether the stage feeds the select the opt-in scores' histogram: off, as
-# the fed chain is slower than the cluster select's (docs/performance.md,
-# "The select fed by the scores").
-FEED_SELECT = False
 
 
 class StageKernels(NamedTuple):
@@ -90,15 +83,11 @@ class LayerStep:
         next_n = q[0].shape[1]
         seq_lens = decode.seq_lens[: q[0].shape[0]]
         rows, k = q[0].shape[0] * next_n, topk_tokens // POOL
-        histogram = self.histogram(rows, max_model_len)
-        logits, counted = self.scores(
-            q, kv_cache, weights, seq_lens, decode, max_model_len, histogram
-        )
+        logits = self.scores(q, kv_cache, weights, seq_lens, decode, max_model_len)
         ends = seq_lens.view(-1)
         stage = self.stage
         pool_ids = stage.pool_ids(rows, k, logits.device, self.deferring)
-        fed = histogram if counted else None
-        if not self.selected(logits, ends, k, pool_ids, fed):
+        if not self.selected(logits, ends, k, pool_ids):
             logits = stage.upcast(logits, ends)
             get_indexer_topk(topk_backend)(
                 logits, seq_lens, next_n, pool_ids, k, max_seq_len
@@ -109,35 +98,13 @@ class LayerStep:
             stage.expand(pool_ids, positions[:rows], buffer[:rows])
         return True
 
-    def histogram(self, rows: int, width: int) -> torch.Tensor | None:
-        """The stage's histogram rows for the opt-in scores to count and the
-        fed select to read, where the select runs after them on rows of
-        ``width`` columns that it takes (else None)."""
-        stage = self.stage
-        if stage.histogram is None or not fed_columns(width):
-            return None
-        if not self.deferring or not self.select_runs(rows, width, torch.float32):
-            return None
-        return stage.histogram[:rows]
-
-    def scores(
-        self,
-        q,
-        kv_cache,
-        weights,
-        seq_lens,
-        decode,
-        max_model_len: int,
-        histogram: torch.Tensor | None = None,
-    ):
-        """``(fp8_fp4_paged_mqa_logits(q, kv_cache, weights, seq_lens,
+    def scores(self, q, kv_cache, weights, seq_lens, decode, max_model_len: int):
+        """``fp8_fp4_paged_mqa_logits(q, kv_cache, weights, seq_lens,
         decode.block_table, decode.schedule_metadata, max_model_len=
-        max_model_len, indices=decode.indices), counted)``: where the
-        deployment opted in (``kpool_scores``) and the kernel takes the call,
-        the opt-in scores, whose rows hold DeepGEMM's logits below each
-        entry's context (all that the step reads of them), else DeepGEMM's;
-        ``counted``: the opt-in scores counted their rows into
-        ``histogram``."""
+        max_model_len, indices=decode.indices)``: where the deployment opted
+        in (``kpool_scores``) and the kernel takes the call, the opt-in
+        scores, whose rows hold DeepGEMM's logits below each entry's context
+        (all that the step reads of them), else DeepGEMM's."""
         heads = self.stage.scores_heads
         if heads is not None:
             ours = (q, weights)
@@ -152,11 +119,10 @@ class LayerStep:
                 block_table=decode.block_table,
                 max_model_len=max_model_len,
                 indices=decode.indices,
-                histogram=histogram,
             )
             if logits is not STOCK:
-                return logits, histogram is not None
-        logits = fp8_fp4_paged_mqa_logits(
+                return logits
+        return fp8_fp4_paged_mqa_logits(
             q,
             kv_cache,
             weights,
@@ -166,7 +132,6 @@ class LayerStep:
             max_model_len=max_model_len,
             indices=decode.indices,
         )
-        return logits, False
 
     def select_runs(self, rows: int, width: int, dtype: torch.dtype) -> bool:
         """Whether the step runs the opt-in select (rather than stock's
@@ -178,23 +143,14 @@ class LayerStep:
             return False
         return not stage.select_one_wave or one_wave(rows, width, dtype, stage.sms)
 
-    def selected(self, logits, ends, k: int, out, histogram=None) -> bool:
+    def selected(self, logits, ends, k: int, out) -> bool:
         """Whether the opt-in select wrote the top ``k`` pools below ``ends``
-        into ``out`` (no upcast), where ``select_runs``: fed by the scores'
-        ``histogram`` where they counted one. A histogram the select did not
-        read is zeroed, as the select leaves one."""
+        into ``out`` (no upcast), where ``select_runs``."""
         rows, width = logits.shape
         if not self.select_runs(rows, width, logits.dtype):
             return False
         select = self.stage.kernels.select
-        chunks = self.stage.chunks
-        ran = select.serve(
-            logits=logits, ends=ends, k=k, out=out, histogram=histogram, chunks=chunks
-        )
-        if ran is STOCK and histogram is not None:
-            histogram.zero_()
-            ran = select.serve(logits=logits, ends=ends, k=k, out=out, chunks=chunks)
-        return ran is not STOCK
+        return select.serve(logits=logits, ends=ends, k=k, out=out) is not STOCK
 
 
 class KpoolStage:
@@ -239,28 +195,6 @@ class KpoolStage:
         fp32 = scores and not mx_scales
         heads = {attn.indexer.n_head for attn in attentions} if fp32 else set()
         self.scores_heads = served_heads(heads.pop()) if len(heads) == 1 else None
-        # What the opt-in scores count for the fed select (each row zeroed
-        # by the select that read it); none while ``FEED_SELECT`` is off.
-        self.histogram = None
-        if FEED_SELECT and select and self.scores_heads is not None:
-            self.histogram = torch.zeros(
-                (max_rows, HISTOGRAM), dtype=torch.int32, device=device
-            )
-        # The split select's workspace, where the select runs split past one
-        # wave (the launch module's routing, read as its dispatch reads it):
-        # the layers' rows' chunks.
-        self.chunks = None
-        if select_launch.SPLIT_PAST_ONE_WAVE and select and not select_one_wave:
-            shapes = {
-                (attn.indexer.max_pool_len, attn.indexer.topk_tokens // POOL)
-                for attn in attentions
-            }
-            parts = max((select_launch.split_parts(*s) for s in shapes), default=0)
-            if parts:
-                k = max(k for _, k in shapes)
-                self.chunks = torch.empty(
-                    (max_rows * parts, k), dtype=torch.int32, device=device
-                )
         # The warmup's verdict: what it compiled and self-checked, replaced
         # whole by each verdict (empty: the stage is off).
         self.executors: dict = {}
@@ -413,9 +347,7 @@ class KpoolStage:
                 tail = "fused expand + remap"
                 if self.select:
                     rows = "one wave of rows" if self.select_one_wave else "every batch"
-                    # Where the scores count for it (FP32 scales, a kernel's heads).
-                    fed = ", fed by the scores" if self.histogram is not None else ""
-                    tail = f"select (opt-in, {rows}{fed}), {tail}"
+                    tail = f"select (opt-in, {rows}), {tail}"
             else:
                 tail = f"expand, stock conversion ({why or 'another layer is not'})"
             lines.append(f"{name}: update ({scales}), {upcast}, {tail}")

@@ -18,7 +18,7 @@ from ..constants import POOL
 from ..cutedsl.expand.launch import EXPAND
 from ..cutedsl.remap.launch import REMAP, remap_takes
 from ..cutedsl.scores.launch import BLOCKS, NEXT_N, SCORES, served_heads
-from ..cutedsl.select.launch import SELECT, fed_columns
+from ..cutedsl.select.launch import SELECT
 from ..cutedsl.upcast.launch import UPCAST
 from ..cutedsl.update.launch import UPDATE
 from .remap import remap_layout
@@ -70,25 +70,20 @@ def deployment_values(stage, attentions) -> list[tuple[Any, dict]]:
             values.append((UPCAST, {}))
         # FP32 scales: SM90 (the SM100 family's scores take MX scales only),
         # whose wgmma the scores kernel is built on.
-        # The fed select where the scores count for it (``LayerStep.histogram``).
-        fed = stage.histogram is not None and fed_columns(indexer.max_pool_len) > 0
-        fed = fed and stage.fuse
         if stage.scores and not stage.mx_scales:
-            values += scores_values(stage, indexer, kv, fed)
+            values += scores_values(stage, indexer, kv)
         if stage.select and defers:
             select = dict(max_rows=stage.max_rows, one_wave_only=stage.select_one_wave)
             select |= dict(k=groups, dtype=logits, width=indexer.max_pool_len)
-            select |= dict(fed=WarmupChoices(False, True) if fed else False)
             values.append((SELECT, select | dict(sms=stage.sms)))
     return values
 
 
-def scores_values(stage, indexer, kv, fed: bool) -> list[tuple[Any, dict]]:
+def scores_values(stage, indexer, kv) -> list[tuple[Any, dict]]:
     """The opt-in scores' values of a layer, where the kernel takes its
     heads and page size (else none: DeepGEMM runs): each ``next_n`` from 1
     to the stage's that the kernel and DeepGEMM take (another runs
-    DeepGEMM, or never reaches it); counting a histogram too where ``fed``
-    (the select runs after them on some steps, not on others)."""
+    DeepGEMM, or never reaches it)."""
     heads = served_heads(indexer.n_head)
     block = kv.shape[1]
     if heads is None or block not in BLOCKS:
@@ -98,7 +93,6 @@ def scores_values(stage, indexer, kv, fed: bool) -> list[tuple[Any, dict]]:
     next_n = range(1, stage.next_n + 1)
     next_n = [n for n in next_n if n in NEXT_N and native_next_n_supported(n)]
     values = dict(heads=heads, next_n=WarmupChoices(*next_n), block=block)
-    values |= dict(histogram=WarmupChoices(False, True) if fed else False)
     return [(SCORES, values)]
 
 

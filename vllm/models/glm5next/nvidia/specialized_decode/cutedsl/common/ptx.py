@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Device helpers of the kpool decode kernels: inline PTX and memory access.
+"""Device helpers of the kpool decode kernels: inline PTX, memory access
+(global, shared and a cluster peer's shared memory), the order keys of FP32
+and BF16 bits, and a CTA-wide scan.
 
 Bit exactness with the stock Triton kernels depends on issuing the same PTX
 arithmetic, so every operation whose rounding matters is spelled out here as
@@ -10,9 +12,11 @@ re-associate it.
 
 import functools
 
+import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+from quack.utils import warp_prefix_sum
 
 # Triton's `tl.exp` multiplies by log2(e) rounded to FP32 (0x3FB8AA3B).
 LOG2E_F32_HEX = "0f3FB8AA3B"
@@ -131,6 +135,45 @@ def store_words(pointer, words):
     return f"st.global{vector}.b32 [$0], {registers};", constraints, (pointer, *words)
 
 
+@inline_ptx(Uint32, pure=True)
+def load_half(pointer):
+    """The 16 bits at ``pointer``, zero-extended (a load of data nothing
+    writes during the kernel)."""
+    code = "{ .reg .b16 h; ld.global.nc.b16 h,[$1]; cvt.u32.u16 $0,h; }"
+    return code, "=r,l", (pointer,)
+
+
+@inline_ptx(Uint32)
+def load_peer(address, rank):
+    """The 32-bit word at shared address ``address`` of cluster CTA ``rank``
+    (ordered after the cluster barrier: not pure)."""
+    code = (
+        "{ .reg .b32 a; mapa.shared::cluster.u32 a,$1,$2; "
+        "ld.shared::cluster.u32 $0,[a]; }"
+    )
+    return code, "=r,r,r", (Int32(address), Int32(rank))
+
+
+@inline_ptx((Uint32,) * 4)
+def load_shared4(address):
+    """Four words at 16-byte aligned shared address ``address``."""
+    return "ld.shared.v4.b32 {$0,$1,$2,$3},[$4];", "=r,=r,=r,=r,r", (Int32(address),)
+
+
+@inline_ptx()
+def store_shared4(address, a, b, c, d):
+    """Four words at 16-byte aligned shared address ``address``."""
+    code = "st.shared.v4.b32 [$0],{$1,$2,$3,$4};"
+    words = tuple(Uint32(w) for w in (a, b, c, d))
+    return code, "r,r,r,r,r,~{memory}", (Int32(address), *words)
+
+
+@inline_ptx()
+def store_shared(address, word):
+    """One word at shared address ``address``."""
+    return "st.shared.b32 [$0],$1;", "r,r,~{memory}", (Int32(address), Uint32(word))
+
+
 # --- Bits -----------------------------------------------------------------
 
 
@@ -158,6 +201,28 @@ def pack_fp8(a, b, c, d):
     )
     values = tuple(Float32(v) for v in (a, b, c, d))
     return code, "=r,f,f,f,f", values
+
+
+# --- Order keys -----------------------------------------------------------
+
+
+@inline_ptx(Uint32, pure=True)
+def order_key32(word):
+    """The FP32 key of ``word``: sign bit set for a positive sign, every bit
+    flipped for a negative one (an unsigned order of the IEEE totalOrder)."""
+    code = "{ .reg .b32 m; shr.s32 m,$1,31; or.b32 m,m,0x80000000; xor.b32 $0,$1,m; }"
+    return code, "=r,r", (Uint32(word),)
+
+
+@inline_ptx(Uint32, pure=True)
+def order_key16(half):
+    """The 16-bit key of the BF16 bits in the low half of ``half`` (the high
+    half of the FP32 key of its exact upcast)."""
+    code = (
+        "{ .reg .b32 t,m; shl.b32 t,$1,16; shr.s32 m,t,31; "
+        "or.b32 m,m,0x80000000; xor.b32 t,t,m; shr.b32 $0,t,16; }"
+    )
+    return code, "=r,r", (Uint32(half),)
 
 
 # --- FP32 arithmetic as Triton emits it -----------------------------------
@@ -235,3 +300,25 @@ def trunc_div(value, divisor: int, width: type = Int32):
     # Bias negative values by divisor - 1 so the arithmetic shift truncates.
     bias = width(unsigned(value >> (bits - 1)) >> (bits - shift))
     return (value + bias) >> shift
+
+
+# --- A CTA ------------------------------------------------------------------
+
+
+@cute.jit
+def block_scan(value: Int32, totals, slot, warps: int):
+    """(exclusive prefix of ``value`` over the CTA's ``warps`` warps' threads,
+    CTA total), through ``totals[slot : slot + warps]``; one CTA barrier."""
+    lane = cute.arch.lane_idx()
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    inclusive = warp_prefix_sum(value)
+    if lane == 31:
+        totals[slot + warp] = inclusive
+    cute.arch.barrier()
+    warp_total = Int32(0)
+    if lane < warps:
+        warp_total = totals[slot + lane]
+    warps_inclusive = warp_prefix_sum(warp_total)
+    before_warp = cute.arch.shuffle_sync(warps_inclusive - warp_total, offset=warp)
+    total = cute.arch.shuffle_sync(warps_inclusive, offset=31)
+    return before_warp + inclusive - value, total

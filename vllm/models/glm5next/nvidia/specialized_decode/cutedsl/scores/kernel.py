@@ -32,12 +32,8 @@ with the FP32 rounding of DeepGEMM's SM90 kernel, step for step:
 Columns at or past ``ctx`` (or the row width) are not written (DeepGEMM
 writes up to the next multiple of 64 values nobody reads).
 
-With a ``histogram`` (the fed select's hint, ``select/fed.py``), each CTA
-also counts the logits it writes below their own row's end
-(``seq_lens[b, i]``) by the top 8 bits of their order key, +0.0 apart, and
-adds its counts to ``histogram[b * next_n + i]`` (zero before the step). Each arithmetic
-step is one inline-PTX instruction, so LLVM neither contracts nor
-re-associates it.
+Each arithmetic step is one inline-PTX instruction, so LLVM neither
+contracts nor re-associates it.
 
 CTA ``(split, b)`` takes the contiguous tiles ``[split * per, (split + 1) *
 per)`` of entry ``b``'s ``ceil(ctx / 64)`` tiles (``per = ceil(tiles /
@@ -53,12 +49,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float8E4M3FN, Float32, Int32, Int64, Uint32
+from cutlass import Float8E4M3FN, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
-from ..common.ptx import float_bits, inline_ptx
-from ..select.fed import HISTOGRAM, ZERO_KEY
-from ..select.kernel import _key32
+from ...constants import DIM
+from ..common.ptx import inline_ptx
 
 # The consumer warpgroup (warps 0-3), then the producer warp.
 CONSUMERS = 128
@@ -66,8 +61,6 @@ PRODUCER = CONSUMERS // 32
 THREADS = CONSUMERS + 32
 # Pools a tile: wgmma's M.
 TILE = 64
-# The index head dimension, in FP8 bytes: one 128-byte swizzle row.
-DIM = 128
 # Tiles in flight a CTA: 4 x 8.25 KiB. A power of two: a tile's stage and
 # phase are bits of its non-negative index (no signed division).
 STAGE_BITS = 2
@@ -122,12 +115,10 @@ def add(a, b):
 
 class KpoolScores:
     """The scores of one compile key: ``heads`` (16, 32 or 64), ``next_n``
-    (1 to 4), ``block`` (pools a cache page: 32 or 64) and whether they
-    count the ``histogram``."""
+    (1 to 4) and ``block`` (pools a cache page: 32 or 64)."""
 
     def __init__(self, key):
         self.heads, self.next_n, self.block = key.heads, key.next_n, key.block
-        self.counts = key.histogram
         self.n = self.next_n * self.heads
         self.pages = TILE // self.block  # pages a tile
 
@@ -140,7 +131,6 @@ class KpoolScores:
         seq_lens: cute.Tensor,
         block_table: cute.Tensor,
         logits: cute.Tensor,
-        histogram: cute.Tensor | None,
         splits: Int32,
         stream: cuda.CUstream,
     ):
@@ -196,7 +186,6 @@ class KpoolScores:
             seq_lens,
             block_table,
             logits,
-            histogram,
         ).launch(
             grid=(splits, entries, 1),
             block=(THREADS, 1, 1),
@@ -217,13 +206,12 @@ class KpoolScores:
         seq_lens: cute.Tensor,
         block_table: cute.Tensor,
         logits: cute.Tensor,
-        histogram: cute.Tensor | None,
     ):
         tid, _, _ = cute.arch.thread_idx()
         split, entry, _ = cute.arch.block_idx()
         splits, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        s_rows, s_q, s_pages, s_tiles, s_scale, s_w, s_hist, bars = self.allocate()
+        s_rows, s_q, s_pages, s_tiles, s_scale, s_w, bars = self.allocate()
         if warp == PRODUCER:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
@@ -295,33 +283,10 @@ class KpoolScores:
                 row0 = entry * self.next_n
                 for c in cutlass.range(tid, self.n, CONSUMERS, unroll=1):
                     s_w[c] = weights[row0 + c // self.heads, c % self.heads]
-                ends = None
-                if cutlass.const_expr(self.counts):
-                    for c in cutlass.range(tid, self.next_n * HISTOGRAM, CONSUMERS):
-                        s_hist[c] = Int32(0)
-                    # Each row's end within what the CTA's entry writes.
-                    ends = [
-                        cutlass.min(cutlass.max(seq_lens[entry, i], Int32(0)), ctx)
-                        for i in range(self.next_n)
-                    ]
                 cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMERS)
                 self.tiles(
-                    s_q,
-                    s_tiles,
-                    s_scale,
-                    s_w,
-                    s_hist,
-                    bars,
-                    logits,
-                    entry,
-                    ctx,
-                    ends,
-                    first,
-                    last,
+                    s_q, s_tiles, s_scale, s_w, bars, logits, entry, ctx, first, last
                 )
-                if cutlass.const_expr(self.counts):
-                    cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMERS)
-                    self.add_counts(s_hist, histogram, row0, tid)
 
     def allocate(self):
         smem = cutlass.memory.SmemAllocator()
@@ -353,12 +318,8 @@ class KpoolScores:
             Float32, cute.make_layout((self.block, STAGES * self.pages)), 128
         )
         s_w = smem.allocate_tensor(Float32, cute.make_layout(self.n), 16)
-        s_hist = None
-        if cutlass.const_expr(self.counts):
-            layout = cute.make_layout(self.next_n * HISTOGRAM)
-            s_hist = smem.allocate_tensor(Int32, layout, 16)
         bars = smem.allocate_array(cutlass.Int64, 2 * STAGES + 1)
-        return s_rows, s_q, s_pages, s_tiles, s_scale, s_w, s_hist, bars
+        return s_rows, s_q, s_pages, s_tiles, s_scale, s_w, bars
 
     @cute.jit
     def produce(
@@ -459,38 +420,7 @@ class KpoolScores:
         return window
 
     @cute.jit
-    def add_counts(self, s_hist, histogram, row0, tid):
-        """Adds the CTA's counts of its entry's rows to ``histogram``."""
-        for c in cutlass.range(tid, self.next_n * HISTOGRAM, CONSUMERS, unroll=1):
-            count = s_hist[c]
-            if count != 0:
-                row = row0 + c // HISTOGRAM
-                at = histogram.iterator + Int64(row) * histogram.stride[0]
-                cute.arch.red(
-                    at + c % HISTOGRAM,
-                    count,
-                    op="add",
-                    dtype=Int32,
-                    sem="relaxed",
-                    scope="gpu",
-                )
-
-    @cute.jit
-    def tiles(
-        self,
-        s_q,
-        s_tiles,
-        s_scale,
-        s_w,
-        s_hist,
-        bars,
-        logits,
-        entry,
-        ctx,
-        ends,
-        first,
-        last,
-    ):
+    def tiles(self, s_q, s_tiles, s_scale, s_w, bars, logits, entry, ctx, first, last):
         """The consumer warpgroup: each tile's wgmma, the release of its
         stage, its epilogue."""
         tid, _, _ = cute.arch.thread_idx()
@@ -545,8 +475,6 @@ class KpoolScores:
                 entry,
                 t * TILE + r0,
                 ctx,
-                s_hist,
-                ends,
             )
 
     def thread_weights(self, s_w):
@@ -569,20 +497,7 @@ class KpoolScores:
         return s_w[i * self.heads + 8 * j + 2 * quad + parity]
 
     @cute.jit
-    def epilogue(
-        self,
-        acc,
-        s_w,
-        weights,
-        scale0,
-        scale1,
-        logits,
-        entry,
-        pool0,
-        ctx,
-        s_hist,
-        ends,
-    ):
+    def epilogue(self, acc, s_w, weights, scale0, scale1, logits, entry, pool0, ctx):
         lane = cute.arch.lane_idx()
         quad = lane % 4
         groups = self.heads // 8
@@ -613,25 +528,3 @@ class KpoolScores:
                 logits[row, pool0] = v0
             if quad == 1 and pool0 + 8 < ctx:
                 logits[row, pool0 + 8] = v1
-            if cutlass.const_expr(self.counts):
-                self.count(s_hist, i, v0, v1, pool0, ends[i], quad)
-
-    @cute.jit
-    def count(self, s_hist, i, v0, v1, pool0, end, quad):
-        """Counts row ``i``'s logits of this quad's pools (``pool0`` in quad
-        0, ``pool0 + 8`` in quad 1) below ``end``: +0.0 a warp at once (a
-        plateau's would all hit one bin)."""
-        column = pool0 + 8 * Int32(quad == 1)
-        take = Int32(quad < 2) & Int32(column < end)
-        # v1's bits in quad 1, else v0's.
-        pick = Uint32(0) - Uint32(quad == 1)
-        key = _key32(float_bits(v0) ^ ((float_bits(v0) ^ float_bits(v1)) & pick))
-        zero = take & Int32(key == ZERO_KEY)
-        row = i * HISTOGRAM
-        if (take - zero) == 1:
-            cute.arch.atomic_add(s_hist.iterator + row + Int32(key >> 24), Int32(1))
-        zeros = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(zero == 1)))
-        if cute.arch.lane_idx() == 0:  # noqa: SIM102
-            if zeros > 0:
-                cute.arch.atomic_add(s_hist.iterator + row + HISTOGRAM - 1, zeros)
-                cute.arch.atomic_add(s_hist.iterator + row + (ZERO_KEY >> 24), zeros)

@@ -13,9 +13,9 @@ from cutlass.cute.runtime import make_fake_tensor
 
 from vllm.model_executor.warmup.jit_warmup import kernel_launcher
 
+from ...constants import DIM
 from ..common.host import KpoolKernel, check_devices, layout, mismatch, sm_count
-from ..select.fed import HISTOGRAM
-from .kernel import DIM, TILE, KpoolScores
+from .kernel import TILE, KpoolScores
 
 HEADS = (16, 32, 64)
 NEXT_N = (1, 2, 3, 4)
@@ -66,7 +66,6 @@ def check(
     max_model_len,
     out,
     indices=None,
-    histogram=None,
 ) -> None:
     """What ``KpoolScores`` takes (raises ``Refused``)."""
     if indices is not None:
@@ -81,15 +80,14 @@ def check(
     if scales is not None:
         raise mismatch("q", "no query scales (SM90 folds them into weights)", scales)
     check_devices(
-        ("q", "kv_cache", "weights", "seq_lens", "block_table", "out", "histogram"),
+        ("q", "kv_cache", "weights", "seq_lens", "block_table", "out"),
         values,
         kv_cache,
         weights,
         seq_lens,
         block_table,
         out,
-        histogram,
-        optional=("out", "histogram"),
+        optional=("out",),
     )
     if (
         values.dtype != torch.float8_e4m3fn
@@ -180,19 +178,6 @@ def check(
             f"{max_model_len}], unit column stride, rows apart by the width or more",
             layout(out),
         )
-    if histogram is not None and (
-        histogram.dtype != torch.int32
-        or histogram.dim() != 2
-        or histogram.shape[0] < entries * next_n
-        or histogram.shape[1] != HISTOGRAM
-        or histogram.stride(1) != 1
-    ):
-        raise mismatch(
-            "histogram",
-            f"int32 [>= entries * next_n = {entries * next_n}, {HISTOGRAM}], "
-            "unit column stride",
-            layout(histogram),
-        )
 
 
 class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
@@ -213,8 +198,6 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
         heads: int
         next_n: int
         block: int
-        # Whether the CTAs count the fed select's histogram.
-        histogram: bool = False
 
     kernel = KpoolScores
 
@@ -229,33 +212,17 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
         max_model_len: int,
         indices: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
-        histogram: torch.Tensor | None = None,
     ):
-        check(
-            q,
-            kv_cache,
-            weights,
-            seq_lens,
-            block_table,
-            max_model_len,
-            out,
-            indices,
-            histogram,
-        )
+        check(q, kv_cache, weights, seq_lens, block_table, max_model_len, out, indices)
         values = q[0]
         entries, next_n, heads, _ = values.shape
         if out is None:
             out = values.new_empty(
                 (entries * next_n, row_stride(max_model_len)), dtype=torch.float32
             )[:, :max_model_len]
-        key = self.dispatch(
-            heads=heads,
-            next_n=next_n,
-            block=kv_cache.shape[1],
-            histogram=histogram is not None,
-        )
+        key = self.dispatch(heads=heads, next_n=next_n, block=kv_cache.shape[1])
         splits = splits_for(entries, max_model_len, sm_count(values.get_device()))
-        tensors = (values, kv_cache, weights, seq_lens, block_table, out, histogram)
+        tensors = (values, kv_cache, weights, seq_lens, block_table, out)
         args = (*tensors, Int32(splits)) if entries else None
         return key, args, out
 
@@ -294,15 +261,7 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
             (cute.sym_int64(), 1),
             assumed_align=4,
         )
-        histogram = None
-        if compile_key.histogram:
-            histogram = make_fake_tensor(
-                Int32,
-                (cute.sym_int(), HISTOGRAM),
-                (cute.sym_int64(), 1),
-                assumed_align=4,
-            )
-        return q, kv, weights, seq_lens, block_table, logits, histogram, Int32(1)
+        return q, kv, weights, seq_lens, block_table, logits, Int32(1)
 
 
 SCORES = ScoresKernel()

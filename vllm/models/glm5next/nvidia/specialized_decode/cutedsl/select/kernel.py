@@ -22,7 +22,17 @@ import torch
 from cutlass import Int32, Int64, Uint32
 from quack.utils import warp_prefix_sum
 
-from ..common.ptx import inline_ptx, load_words_if
+from ..common.ptx import (
+    block_scan,
+    load_half,
+    load_peer,
+    load_shared4,
+    load_words_if,
+    order_key16,
+    order_key32,
+    store_shared,
+    store_shared4,
+)
 
 THREADS = 1024
 WARPS = THREADS // 32
@@ -72,80 +82,6 @@ def ctas_per_sm(capacity: int) -> int:
 _UNROLL = {torch.float32: 4, torch.bfloat16: 2}
 
 
-@inline_ptx(Uint32, pure=True)
-def _key32(word):
-    """The FP32 key of ``word``: sign bit set for a positive sign, every bit
-    flipped for a negative one (an unsigned order of the IEEE totalOrder)."""
-    code = "{ .reg .b32 m; shr.s32 m,$1,31; or.b32 m,m,0x80000000; xor.b32 $0,$1,m; }"
-    return code, "=r,r", (Uint32(word),)
-
-
-@inline_ptx(Uint32, pure=True)
-def _key16(half):
-    """The 16-bit key of the BF16 bits in the low half of ``half`` (the high
-    half of the FP32 key of its exact upcast)."""
-    code = (
-        "{ .reg .b32 t,m; shl.b32 t,$1,16; shr.s32 m,t,31; "
-        "or.b32 m,m,0x80000000; xor.b32 t,t,m; shr.b32 $0,t,16; }"
-    )
-    return code, "=r,r", (Uint32(half),)
-
-
-@inline_ptx(Uint32, pure=True)
-def _load_half(pointer):
-    """The 16 bits at ``pointer``, zero-extended."""
-    code = "{ .reg .b16 h; ld.global.nc.b16 h,[$1]; cvt.u32.u16 $0,h; }"
-    return code, "=r,l", (pointer,)
-
-
-@inline_ptx(Uint32)
-def _load_peer(address, rank):
-    """The 32-bit word at shared address ``address`` of cluster CTA ``rank``
-    (ordered after the cluster barrier: not pure)."""
-    code = (
-        "{ .reg .b32 a; mapa.shared::cluster.u32 a,$1,$2; "
-        "ld.shared::cluster.u32 $0,[a]; }"
-    )
-    return code, "=r,r,r", (Int32(address), Int32(rank))
-
-
-@inline_ptx((Uint32,) * 4)
-def _load_shared4(address):
-    """Four words at 16-byte aligned shared address ``address``."""
-    return "ld.shared.v4.b32 {$0,$1,$2,$3},[$4];", "=r,=r,=r,=r,r", (Int32(address),)
-
-
-@inline_ptx()
-def _store_shared4(address, a, b, c, d):
-    code = "st.shared.v4.b32 [$0],{$1,$2,$3,$4};"
-    words = tuple(Uint32(w) for w in (a, b, c, d))
-    return code, "r,r,r,r,r,~{memory}", (Int32(address), *words)
-
-
-@inline_ptx()
-def _store_shared(address, word):
-    return "st.shared.b32 [$0],$1;", "r,r,~{memory}", (Int32(address), Uint32(word))
-
-
-@cute.jit
-def _block_scan(value: Int32, totals, slot):
-    """(exclusive prefix of ``value`` over the CTA's threads, CTA total),
-    through ``totals[slot : slot + WARPS]``; one CTA barrier."""
-    lane = cute.arch.lane_idx()
-    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    inclusive = warp_prefix_sum(value)
-    if lane == 31:
-        totals[slot + warp] = inclusive
-    cute.arch.barrier()
-    warp_total = Int32(0)
-    if lane < WARPS:
-        warp_total = totals[slot + lane]
-    warps_inclusive = warp_prefix_sum(warp_total)
-    before_warp = cute.arch.shuffle_sync(warps_inclusive - warp_total, offset=warp)
-    total = cute.arch.shuffle_sync(warps_inclusive, offset=31)
-    return before_warp + inclusive - value, total
-
-
 # --- The kernel ---------------------------------------------------------------
 
 
@@ -193,10 +129,8 @@ class SelectTopk:
         self.select(logits, ends, out)
 
     @cute.jit
-    def select(self, source, ends: cute.Tensor, out: cute.Tensor):
-        """Row ``row`` of ``out``: the top ``k`` of ``source``'s row (the
-        logits here; ``split.py``'s variants read theirs through the hooks
-        ``row_end``, ``row_base``, ``load_slice`` and ``column``)."""
+    def select(self, logits, ends: cute.Tensor, out: cute.Tensor):
+        """Row ``row`` of ``out``: the top ``k`` of ``logits``'s row."""
         block, _, _ = cute.arch.block_idx()
         tid, _, _ = cute.arch.thread_idx()
         row = block // self.cluster
@@ -204,23 +138,23 @@ class SelectTopk:
         shared = self.allocate()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        end = self.row_end(source, ends, row)
+        end = self.row_end(logits, ends, row)
         if end <= self.k:
             if rank == 0:
                 # Every valid column, in order, then -1 (stock's bytes).
                 for i in cutlass.range(tid, self.k, THREADS, unroll=1):
                     value = Int32(-1)
                     if i < end:
-                        value = self.column(source, row, i)
+                        value = i
                     out[row, i] = value
         elif cutlass.const_expr(self.cluster == 1):
-            self.select_row(source, out, row, rank, end, tid, shared, True)
+            self.select_row(logits, out, row, rank, end, tid, shared, True)
         elif end <= self.alone_keys:
             # The cluster's other CTAs exit: nothing reads their memory.
             if rank == 0:
-                self.select_row(source, out, row, rank, end, tid, shared, True)
+                self.select_row(logits, out, row, rank, end, tid, shared, True)
         else:
-            self.select_row(source, out, row, rank, end, tid, shared, False)
+            self.select_row(logits, out, row, rank, end, tid, shared, False)
 
     @cute.jit
     def row_end(self, logits, ends, row):
@@ -231,11 +165,6 @@ class SelectTopk:
     def row_base(self, logits, row):
         """The address of row ``row``'s first column."""
         return logits.iterator + Int64(row) * logits.stride[0]
-
-    @cute.jit
-    def column(self, logits, row, position):
-        """The column that row ``row``'s key ``position`` stands for."""
-        return position
 
     @cute.jit
     def allocate(self):
@@ -277,9 +206,7 @@ class SelectTopk:
         if cute.arch.lane_idx() == 0:
             cute.arch.atomic_add(found.iterator + 3, share)
         cute.arch.barrier()
-        self.compact(
-            logits, start, n, tid, keys_at, out, row, threshold, need, found, totals
-        )
+        self.compact(start, n, tid, keys_at, out, row, threshold, need, found, totals)
         if cutlass.const_expr(not alone):
             # The exit barrier: its arrive followed the last pass's reads of
             # the peers' shared memory, which must outlive them.
@@ -320,23 +247,26 @@ class SelectTopk:
                 group = []
                 if cutlass.const_expr(self.bf16):
                     for w in words:
-                        group += [_key16(w & Uint32(0xFFFF)), _key16(w >> Uint32(16))]
+                        group += [
+                            order_key16(w & Uint32(0xFFFF)),
+                            order_key16(w >> Uint32(16)),
+                        ]
                 else:
-                    group = [_key32(w) for w in words]
+                    group = [order_key32(w) for w in words]
                 if ok:
                     for h in cutlass.range_constexpr(vector // 4):
                         at = keys_at + (v * vector + 4 * h) * 4
-                        _store_shared4(at, *group[4 * h : 4 * h + 4])
+                        store_shared4(at, *group[4 * h : 4 * h + 4])
                     for key in group:
                         zeros = self.count_key(key, zero, shift, zeros, spare, hist)
         if tid == 0:
             # The row end's last columns, one at a time.
             for i in cutlass.range(full * vector, n, unroll=1):
                 if cutlass.const_expr(self.bf16):
-                    key = _key16(_load_half(base + i))
+                    key = order_key16(load_half(base + i))
                 else:
-                    key = _key32(load_words_if(base + i, 1, True)[0])
-                _store_shared(keys_at + i * 4, key)
+                    key = order_key32(load_words_if(base + i, 1, True)[0])
+                store_shared(keys_at + i * 4, key)
                 zeros = self.count_key(key, zero, shift, zeros, spare, hist)
         self.add_zeros(zeros, zero, shift, hist, found)
 
@@ -403,7 +333,7 @@ class SelectTopk:
                     high = prefix >> Uint32(shift + bits)
                     for i in cutlass.range(tid * _GROUP, n, _TILE, unroll=1):
                         # Four keys in the slice's capacity (past n: unused).
-                        group = _load_shared4(keys_at + i * 4)
+                        group = load_shared4(keys_at + i * 4)
                         for j in cutlass.range_constexpr(_GROUP):
                             key = group[j]
                             # Nested: the DSL's ``and`` does not take two dynamic tests.
@@ -475,7 +405,7 @@ class SelectTopk:
             hist_at = Int32(hist.iterator.toint())
             bin_at = hist_at + (current + bin_digit) * 4
             for q in cutlass.range_constexpr(self.cluster):
-                count = Int32(_load_peer(bin_at, q))
+                count = Int32(load_peer(bin_at, q))
                 merged = merged + count
                 if q < rank:
                     before = before + count
@@ -483,13 +413,13 @@ class SelectTopk:
                 if bin_digit == zero_digit:
                     zeros_at = Int32(found.iterator.toint()) + 5 * 4
                     for q in cutlass.range_constexpr(self.cluster):
-                        count = Int32(_load_peer(zeros_at, q))
+                        count = Int32(load_peer(zeros_at, q))
                         zeros = zeros + count
                         if q < rank:
                             zeros_before = zeros_before + count
         if cutlass.const_expr(last):
             cute.arch.cluster_arrive()
-        above, _ = _block_scan(merged, totals, 0)
+        above, _ = block_scan(merged, totals, 0, WARPS)
         if tid < BINS:  # noqa: SIM102
             if above < remaining and remaining <= above + merged:
                 found[0] = bin_digit
@@ -527,7 +457,7 @@ class SelectTopk:
         the ``remaining``-th largest key walks them down."""
         low = (BINS - 8) - 8 * lane
         at = Int32(hist.iterator.toint()) + (current + low) * 4
-        counts = [Int32(c) for c in _load_shared4(at) + _load_shared4(at + 16)]
+        counts = [Int32(c) for c in load_shared4(at) + load_shared4(at + 16)]
         lane_sum = counts[0]
         for j in cutlass.range_constexpr(1, 8):
             lane_sum = lane_sum + counts[j]
@@ -580,9 +510,7 @@ class SelectTopk:
         return early
 
     @cute.jit
-    def compact(
-        self, logits, start, n, tid, keys_at, out, row, threshold, need, found, totals
-    ):
+    def compact(self, start, n, tid, keys_at, out, row, threshold, need, found, totals):
         """Writes the slice's columns above the threshold and its share of
         the first ``need`` equal to it, in column order, at the slots after
         the ranks before it; stops once the row's ``k`` are written."""
@@ -598,7 +526,7 @@ class SelectTopk:
                 at = keys_at + cutlass.min(i0, self.capacity - group) * 4
                 words = []
                 for h in cutlass.range_constexpr(group // 4):
-                    words += list(_load_shared4(at + 16 * h))
+                    words += list(load_shared4(at + 16 * h))
                 gt = Int32(0)
                 eq = Int32(0)
                 for i in cutlass.range_constexpr(group):
@@ -608,7 +536,7 @@ class SelectTopk:
                         if words[i] == threshold:
                             eq = eq | Int32(1 << i)
                 packed = Int32(cute.arch.popc(gt)) + (Int32(cute.arch.popc(eq)) << 16)
-                before, tile_total = _block_scan(packed, totals, (t & 1) * WARPS)
+                before, tile_total = block_scan(packed, totals, (t & 1) * WARPS, WARPS)
                 above = above_run + (before & Int32(0xFFFF))
                 equal = equal_run + (before >> 16)
                 for i in cutlass.range_constexpr(group):
@@ -618,46 +546,9 @@ class SelectTopk:
                     if e == 1 and equal < need:
                         taken = Int32(1)
                     if taken == 1:
-                        column = self.column(logits, row, start + i0 + i)
+                        column = start + i0 + i
                         out[row, above + cutlass.min(equal, need)] = column
                     above = above + g
                     equal = equal + e
                 above_run = above_run + (tile_total & Int32(0xFFFF))
                 equal_run = equal_run + (tile_total >> 16)
-
-    @cute.jit
-    def write_marked(self, source, out, row, start, n, tid, need, totals, above, equal):
-        """Writes the positions below ``n`` set in ``above`` and the first
-        ``need`` set in ``equal`` (the bitmaps of a one-CTA select: the fed
-        select's, the split select's lean CTAs') as the columns they stand
-        for (``column``), in ascending order: a word a thread, a CTA scan of
-        their counts a tile of words; stops once the row's ``k`` are
-        written."""
-        words = (n + 31) // 32
-        above_run = Int32(0)
-        equal_run = Int32(0)
-        for t in cutlass.range((words + THREADS - 1) // THREADS, unroll=1):
-            if above_run + cutlass.min(equal_run, need) < self.k:
-                w = t * THREADS + tid
-                gt = Uint32(0)
-                eq = Uint32(0)
-                if w < words:
-                    gt = above[w]
-                    eq = equal[w]
-                packed = Int32(cute.arch.popc(gt)) + (Int32(cute.arch.popc(eq)) << 16)
-                before, tile_total = _block_scan(packed, totals, (t & 1) * WARPS)
-                # A tile's counts reach 32768: the high half is read unsigned.
-                at_above = above_run + (before & Int32(0xFFFF))
-                at_equal = equal_run + Int32(Uint32(before) >> Uint32(16))
-                bits = gt | eq
-                for _ in cutlass.range(Int32(cute.arch.popc(bits)), unroll=1):
-                    j = Int32(cute.arch.bfind(bits & (Uint32(0) - bits)))
-                    bits = bits & (bits - Uint32(1))
-                    g = Int32((gt >> Uint32(j)) & Uint32(1))
-                    if (g | Int32(at_equal < need)) == 1:
-                        column = self.column(source, row, start + w * 32 + j)
-                        out[row, at_above + cutlass.min(at_equal, need)] = column
-                    at_above = at_above + g
-                    at_equal = at_equal + (1 - g)
-                above_run = above_run + (tile_total & Int32(0xFFFF))
-                equal_run = equal_run + Int32(Uint32(tile_total) >> Uint32(16))
