@@ -47,14 +47,42 @@ BLOCK = re.compile(
     r"<!-- figures: ([\w-]+) from (docs/[\w.-]+\.json) -->\n(.*?)\n?<!-- /figures -->",
     re.S,
 )
-# GLM-5-Next's DSA layers: transformers' Glm5NextTextConfig has 45 layers,
-# every fourth an indexed-attention one (the test checks it).
+# GLM-5-Next's layers (transformers' Glm5NextTextConfig; the test checks it):
+# 45, of which every fourth from layer 3 (3, 7, ..., 43) is a DSA
+# (indexed-attention) layer, which runs the indexer and so the stage; the
+# other 34 are KDA linear attention.
+LAYERS = 45
 DSA_LAYERS = 11
-# The H200's SMs, for the select's one-wave rule.
-H200_SMS = 132
+FIRST_DSA_LAYER = 3
+# The SMs of the card a JSON's meta names, for the select's one-wave rule.
+SMS = {"NVIDIA H200": 132}
+H200_SMS = SMS["NVIDIA H200"]
+# vLLM 0.33.0's torch and triton (its wheel's requirements and torch's; the
+# test checks them): `pip install vllm==0.33.0` brings these, the GPU runs
+# used the versions their JSON's meta gives.
+PINS = {"torch": "2.14.0", "triton": "3.8.0"}
 # The decode tail's contexts in tools/bench.py (topk_inputs: positions in
 # [2**18 / 16, 2**18) tokens).
 TAIL_CONTEXTS = "16K-256K tokens"
+
+# The time of a decode step, of which the README gives the stage's saving as
+# a share: an estimate. No engine ran GLM-5-Next on a GPU here, and no public
+# GLM-5-Next (GLM-5.3-Flash) figure on H200 or H100 was found; this is
+# GLM-5.2-FP8's mean TPOT (744B parameters, 40B active, DSA attention) on one
+# 8 x H200 node, vLLM, TP 8, its serve recipe with no speculative decoding, by
+# concurrent requests, from a sweep of 20 requests a level (the PR's table;
+# its performance-summary.json, self-hosted/vllm/benchmark-output/
+# glm52-200k-throughput/, gives 10.29, 12.96 and 13.28 ms). With one token a
+# request a step, TPOT is the step's time.
+STEP_SOURCE = "https://github.com/aarora79/agentic-coding-harness-benchmarks/pull/51"
+STEP_MS = {1: 10.3, 8: 13.0, 16: 13.3}
+# The batches and the contexts (pools, tokens / 4) the README's table gives.
+GAIN_REQUESTS = (1, 8, 64)
+# The select JSON's commit: its meta names only the commit before ("this
+# commit's select, then 31e6ca5's (the previous commit's)"); the JSON came
+# in with 6eb5142, 31e6ca5's child (the test checks it where git can).
+SELECT_COMMIT = "6eb5142"
+SELECT_BEFORE = "31e6ca5"
 
 BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {}
 # The page each block is in (README.md or docs/NAME.md).
@@ -128,35 +156,59 @@ def run_of(data: dict) -> str:
 
 def us(value: float) -> str:
     """µs at three significant digits or fewer (112, 15.5, 3.95)."""
-    return f"{value:.{0 if value >= 100 else 1 if value >= 10 else 2}f}"
+    return f"{value:.{0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2}f}"
+
+
+def percent(value: float) -> str:
+    """A share at two significant digits (0.96, 1.0, 12)."""
+    return f"{value:#.2g}".rstrip(".") + " %"
+
+
+def tokens(width: int) -> str:
+    """The context of ``width`` pools of 4 keys, in tokens: 16K, 512K, 1M."""
+    n = 4 * width
+    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
+
+
+def join(parts: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return ", ".join(parts[:-1]) + " and " * (len(parts) > 1) + parts[-1]
+
+
+def runs_of(values: list, measured: list, unit: str = "") -> str:
+    """``values`` (sorted, a subset of ``measured``) as runs of neighbours
+    in ``measured``: ``32-64``, ``1, 8 and 64``."""
+    runs: list[list] = []
+    for v in values:
+        if runs and measured.index(v) == measured.index(runs[-1][-1]) + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return join(
+        [f"{r[0]}{unit}" + (f"-{r[-1]}{unit}" if len(r) > 1 else "") for r in runs]
+    )
 
 
 @block("tail", "docs/bench-h200.json")
 def tail_block(data: dict) -> str:
-    """The decode tail on FlashInfer SM90 by decode rows, each row's saving a
-    token; the other paths' savings, the eager figures, the share of the
-    tail and stock's top-k the stage removes."""
+    """The decode tail by decode rows on FlashInfer SM90; the other paths'
+    savings, the eager figures, the share of the tail and stock's top-k the
+    stage removes."""
     sm90 = tail(data, "sm90-flashinfer")
     intro = (
         f"`tools/bench.py` on {run_of(data)} ({link('docs/bench-h200.json')}), "
         "graph-replayed, stock and the stage in one run: one DSA layer's decode "
         "tail (the update, the upcast where the path has one, the expansion and "
         f"conversion after a 512-pool top-k; contexts of {TAIL_CONTEXTS}) on "
-        "FlashInfer SM90, Hopper's default; a token saves "
-        f"{DSA_LAYERS} x the saving / rows (45 layers, every fourth a DSA layer):"
+        "FlashInfer SM90, Hopper's default:"
     )
-    header = (
-        "| decode rows | stock µs | stage µs | saving µs | stock/stage "
-        "| per output token |"
-    )
-    lines = [intro, "", header, "| --: | --: | --: | --: | --: | --: |"]
+    header = "| decode rows | stock µs | stage µs | saving µs | stock/stage |"
+    lines = [intro, "", header, "| --: | --: | --: | --: | --: |"]
     for r in sm90:
         stock, stage = r["graph_us"]
-        saving = round(stock - stage, 1)
-        token = us(DSA_LAYERS * saving / r["rows"])
         lines.append(
-            f"| {r['rows']} | {stock:.1f} | {stage:.1f} | {saving:.1f} "
-            f"| {ratio(r['graph_us']):.2f} | {token} µs |"
+            f"| {r['rows']} | {stock:.1f} | {stage:.1f} | {stock - stage:.1f} "
+            f"| {ratio(r['graph_us']):.2f} |"
         )
 
     def saving(path):
@@ -176,137 +228,410 @@ def tail_block(data: dict) -> str:
         (stock, stage), *_ = [r["graph_us"] for r in sm90 if r["rows"] == rows]
         return f"{100 * (stock - stage) / (stock + topk(rows)):.0f} %"
 
+    update = [
+        r["graph_us"][0] - r["graph_us"][1]
+        for r in data["kernels"]
+        if r["case"] == "update"
+    ]
     spread = sum(max(r["eager_spread"]) > 0.10 for r in data["kernels"])
     eager = [span((r["eager_us"][side] for r in sm90), ".0f") for side in (0, 1)]
     rest = (
-        f"FlashMLA FP8 saves {saving('flashmla-fp8')} µs a step, the SM100 path "
-        f"(with the upcast) {saving('sm100-flashinfer')} µs. Eager, host counted, "
-        f"stock's SM90 tail takes {eager[0]} µs and the stage's {eager[1]} µs "
-        f"(noisy: {spread} of the {len(data['kernels'])} kernel rows spread over "
-        f"10 %). Stock's top-k (FP32, 64K pools) took {topk(1):.1f} µs at 1 row "
-        f"and {topk(64):.1f} at 64 in the same run: the stage removes {share(1)} "
-        f"of the tail and the top-k together at 1 row, {share(64)} at 64. "
-        "DeepGEMM's scores, which come first, were not timed."
+        f"Of that the update, before the query, saves {span(update, '.1f')} µs. "
+        f"FlashMLA FP8 saves {saving('flashmla-fp8')} µs a layer, the SM100 path "
+        f"(with the upcast) {saving('sm100-flashinfer')} µs, measured on the "
+        f"{data['meta']['gpu'].removeprefix('NVIDIA ')}: no SM100 GPU ran it. "
+        f"Eager, host counted, stock's SM90 tail takes {eager[0]} µs and the "
+        f"stage's {eager[1]} µs (noisy: {spread} of the {len(data['kernels'])} "
+        "kernel rows spread over 10 %). Stock's top-k (FP32, 64K pools) took "
+        f"{topk(1):.1f} µs at 1 row and {topk(64):.1f} at 64 in the same run: the "
+        f"stage removes {share(1)} of the tail and the top-k together at 1 row, "
+        f"{share(64)} at 64."
     )
     return "\n".join([*lines, "", rest])
 
 
-def one_wave(rows: int, width: int, path: str = "sm90-flashinfer") -> bool:
-    """Whether the stage runs the select on an H200 (the patched vLLM's rule)."""
+def one_wave(
+    rows: int, width: int, path: str = "sm90-flashinfer", sms: int = H200_SMS
+) -> bool:
+    """Whether the stage runs the select (``"one_wave"``) on ``sms`` SMs:
+    the patched vLLM's rule."""
     import torch
 
     from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import launch
 
     dtype = {"sm90-flashinfer": torch.float32, "sm100-flashinfer": torch.bfloat16}
-    return launch.one_wave(rows, width, dtype[path], H200_SMS)
+    return launch.one_wave(rows, width, dtype[path], sms)
 
 
-def max_one_wave_rows(width: int) -> int:
+def max_one_wave_rows(width: int, sms: int = H200_SMS) -> int:
     rows = 1
-    while one_wave(rows + 1, width):
+    while one_wave(rows + 1, width, sms=sms):
         rows += 1
     return rows
 
 
-@block("select", "docs/bench-select-h200.json")
-def select_block(data: dict) -> str:
-    runs = [r for r in data["select"] if one_wave(r["rows"], r["width"], r["path"])]
-    past = [r for r in data["select"] if r not in runs and r["logits"] == "randn"]
-    fp32 = [r for r in runs if r["path"] == "sm90-flashinfer"]
-    bf16 = [r for r in runs if r["path"] == "sm100-flashinfer"]
-    randn = [r for r in fp32 if r["logits"] == "randn"]
-    ends = {r["context"].split(",")[0] for r in randn}
-    assert ends == {"full", "random", "short"}, ends
-    wide = [
-        r
-        for r in randn
-        if r["width"] >= 65536
-        and r["rows"] <= 8
-        and not r["context"].startswith("short")
+def sms_of(data: dict) -> int:
+    """The SMs of the card the JSON's meta names; ValueError for a card
+    ``SMS`` lacks."""
+    gpu = data["meta"]["gpu"]
+    if gpu not in SMS:
+        raise ValueError(f"no SM count for {gpu!r}: add it to SMS ({sorted(SMS)})")
+    return SMS[gpu]
+
+
+def saved(row: dict, key: str = "step_graph_us") -> float:
+    """µs a layer the stage saves: stock's time less the stage's."""
+    stock, stage = row[key]
+    return stock - stage
+
+
+def step_ms(requests: int) -> tuple[float, bool]:
+    """The cited step time for ``requests``, and whether it is only a floor
+    (the largest batch cited below ``requests``)."""
+    if requests in STEP_MS:
+        return STEP_MS[requests], False
+    return STEP_MS[max(n for n in STEP_MS if n < requests)], True
+
+
+def step_sizes(rows: list[dict], data: dict) -> str:
+    """The sizes of step ``rows``: ``64 requests of 512K-1M tokens (next_n
+    2: 32-64 requests of 512K-1M tokens)``."""
+    plan = data["meta"]["plan"]
+    parts = []
+    for next_n in sorted({r["next_n"] for r in rows}):
+        by: dict[tuple, list[int]] = {}
+        for requests in plan["step_rows"]:
+            widths = tuple(
+                sorted(
+                    r["context"]
+                    for r in rows
+                    if (r["next_n"], r["rows"]) == (next_n, requests)
+                )
+            )
+            if widths:
+                by.setdefault(widths, []).append(requests)
+        text = join(
+            [
+                f"{runs_of(requests, plan['step_rows'])} requests of "
+                + runs_of(
+                    [tokens(w) for w in widths],
+                    [tokens(w) for w in plan["step_pools"]],
+                )
+                + " tokens"
+                for widths, requests in by.items()
+            ]
+        )
+        parts.append(text if next_n == 1 else f"(next_n {next_n}: {text})")
+    return " ".join(parts)
+
+
+@block("gain", "docs/bench-scores-h200.json")
+def gain_block(data: dict) -> str:
+    """What a decode step saves at 1, 8 and 64 requests of each context: per
+    output token and as a share of a cited decode step, with the figures'
+    limits."""
+    m, plan = data["meta"], data["meta"]["plan"]
+    widths = plan["step_pools"]
+    cells = {(n, w): step_row(data, n, 1, w) for n in GAIN_REQUESTS for w in widths}
+    every = [step_row(data, n, 1, w) for n in plan["step_rows"] for w in widths]
+    assert min(saved(r) for r in every) > 0, "the stage slower than stock somewhere"
+    head = " | ".join([f"{tokens(widths[0])} tokens", *map(tokens, widths[1:])])
+    lines = [
+        f"| requests (step time) | {head} |",
+        "| --- |" + " --: |" * len(widths),
     ]
-    (one,) = [
-        r for r in randn if (r["rows"], r["width"], r["context"]) == (1, 65536, "full")
-    ]
-    slow = [r for r in randn if r["width"] == 16384 or r["context"].startswith("short")]
-    below_k = [r for r in fp32 if r["logits"] in ("relu 0%", "relu 0.1%")]
+    shares = []
+    for n in GAIN_REQUESTS:
+        ms, floor = step_ms(n)
+        row = []
+        for w in widths:
+            step_us = DSA_LAYERS * saved(cells[n, w])
+            shares.append(100 * step_us / (1000 * ms))
+            row.append(f"{us(step_us / n)} µs, {'≤ ' * floor}{percent(shares[-1])}")
+        lines.append(f"| {n} ({'≥ ' * floor}{ms:.1f} ms) | {' | '.join(row)} |")
+    gpu = m["gpu"].removeprefix("NVIDIA ")
+    layers = f"{FIRST_DSA_LAYER}, {FIRST_DSA_LAYER + 4}, …, {LAYERS - 2}"
+    steps = [DSA_LAYERS * saved(r) for r in every]
+    stock = span((r["step_graph_us"][0] for r in every), ".1f")
+    intro = (
+        f"**A decode step is {span(steps, '.0f')} µs shorter, about "
+        f"{percent(min(shares)).removesuffix(' %')}-{percent(max(shares))} of it**, "
+        f"at {GAIN_REQUESTS[0]}-{GAIN_REQUESTS[-1]} requests of "
+        f"{tokens(widths[0])}-{tokens(widths[-1])} tokens: an estimate on paper, as "
+        "no vLLM engine ran on a GPU. One DSA layer's indexer decode "
+        "after the query (the scores, the top-k, the expansion and conversion; "
+        "DeepGEMM's scores and stock's top-k on both sides, FlashInfer SM90, "
+        f"Hopper's default, CUDA graphs) took {stock} µs stock and "
+        f"{span((saved(r) for r in every), '.1f')} µs less with the stage on one {gpu} "
+        f"({link('docs/bench-scores-h200.json')}, `tools/bench.py`). GLM-5-Next has "
+        f"{DSA_LAYERS} such layers ({layers} of its {LAYERS}; the other "
+        f"{LAYERS - DSA_LAYERS} are KDA linear attention), so a decode step is "
+        f"{DSA_LAYERS} x that shorter, for every request in it. Each cell: that "
+        f"saving per output token ({DSA_LAYERS} x the saving / requests), then as a "
+        "share of a decode step:"
+    )
+    cited = sorted(STEP_MS)
+    top = cited[-1]
+    (n_big,) = [n for n in GAIN_REQUESTS if step_ms(n)[1]] or [None]
+    big = step_row(data, max(plan["step_rows"]), 1, widths[-1])
+    source = (
+        "The step times are GLM-5.2-FP8's mean time per output token on one "
+        "8 x H200 node (vLLM, TP 8; its serve recipe sets no speculative "
+        "decoding), a larger model of "
+        "GLM-5-Next's family with its DSA attention (744B parameters, 40B active), "
+        "at "
+        f"{join([str(n) for n in cited])} concurrent requests: "
+        f"{join([f'{STEP_MS[n]:.1f}' for n in cited])} ms (<{STEP_SOURCE}>). No "
+        "public GLM-5-Next figure on H200 or H100 was found"
+        + (
+            f", nor one of {n_big} requests: the {STEP_MS[top]:.1f} ms of {top} is "
+            "a floor there, so the share is a ceiling"
+            if n_big
+            else ""
+        )
+        + ". GLM-5-Next, the smaller model, likely steps faster, which would raise "
+        "the share; the source gives no prompt lengths, and at long contexts a "
+        "step takes longer (stock's indexer alone takes "
+        f"{DSA_LAYERS} x {big['step_graph_us'][0]:.1f} µs = "
+        f"{DSA_LAYERS * big['step_graph_us'][0] / 1000:.1f} ms a step at "
+        f"{big['rows']} x {tokens(big['context'])} tokens), which would lower it."
+    )
+    unmeasured = [t for t in ("32K",) if t not in map(tokens, widths)]
+    versions = (
+        f"- Measured on commit {m['commit']}, {m['date']}, with torch {m['torch']} "
+        f"and triton {m['triton']} on a GPU machine without vLLM: `pip install "
+        f"vllm==0.33.0` brings torch {PINS['torch']} and triton {PINS['triton']}, "
+        "with which none of it ran."
+    )
+    since = (
+        "- Each table below gives its commit too. The kernels changed after each "
+        "(the update, expansion, remap, select and scores kernels all did); a "
+        "rerun at HEAD is pending."
+    )
+    contexts = (
+        f"- Contexts of {join([tokens(w) for w in widths])} tokens "
+        f"({pools(widths[0])}-{pools(widths[-1])} pools of 4 keys, every request's "
+        "rows full)"
+        + (f"; {join(unmeasured)} was not measured" if unmeasured else "")
+        + ". One token a request a step (next_n 1; the JSON has next_n 2 too)."
+    )
+    paths = (
+        "- FlashInfer SM90 only, and the update before the query is not in them "
+        "(its saving is below). The SM100 path's figures below were measured on "
+        f"the {gpu}: no SM100 GPU (B200) ran."
+    )
+    limits = ["Beside these figures:", "", versions, since, contexts, paths]
+    return "\n".join([intro, "", *lines, "", source, "", *limits])
+
+
+@block("opt_in", "docs/bench-scores-h200.json")
+def opt_in_block(data: dict) -> str:
+    """The step with the opt-ins, within and past one wave of the select's
+    clusters: where each saves and where it is slower than stock."""
+    sms = sms_of(data)
+
+    def within(r):
+        return one_wave(r["rows"] * r["next_n"], r["context"], sms=sms)
+
+    def verdict(key: str) -> str:
+        rows = data["scores"]
+        inside = [r for r in rows if within(r)]
+        past = [r for r in rows if not within(r)]
+        slower = [r for r in past if saved(r, key) < 0]
+        faster = [r for r in past if saved(r, key) >= 0]
+        assert min(saved(r, key) for r in inside) > 0, (
+            f"{key}: slower than stock within one wave"
+        )
+        text = (
+            f"saves {span((saved(r, key) for r in inside), '.1f')} µs a layer "
+            f"within one wave of its clusters (all {len(inside)} sizes there, "
+            f"{span(ratio(r[key]) for r in inside)}x stock's step); past one wave it "
+            f"is slower than stock, {span(ratio(r[key]) for r in slower)}x "
+            f"({span((-saved(r, key) for r in slower), '.1f')} µs a layer more), at "
+            f"{step_sizes(slower, data)}"
+        )
+        if faster:
+            text += (
+                f", and faster, {span(ratio(r[key]) for r in faster)}x, at "
+                f"{step_sizes(faster, data)}"
+            )
+        return text
+
+    return (
+        f"The opt-ins in the same run ({link('docs/bench-scores-h200.json')}), on "
+        "the same step (next_n 1 and 2): "
+        "`kpool_select: true`, the select at every batch size, "
+        f"{verdict('step_select_graph_us')}. "
+        '`kpool_select: "one_wave"` runs stock\'s top-k past one wave, as the '
+        "default does there. `kpool_scores: true` with `kpool_select: true` (our "
+        f"scores, then the select) {verdict('step_scores_graph_us')}; our scores "
+        "with stock's top-k were not timed."
+    )
+
+
+def select_size(r: dict) -> str:
+    n4 = " (next_n 4)" if "next_n 4" in r["context"] else ""
+    return f"{r['rows']} row{'s' * (r['rows'] > 1)}{n4} of {pools(r['width'])} pools"
+
+
+def select_logits(name: str) -> str:
+    if name == "randn":
+        return "random logits"
+    return f"ReLU logits with {name.removeprefix('relu ').replace('%', ' %')} positive"
+
+
+def x2(r: dict, key: str = "select_graph_us") -> str:
+    return f"{ratio(r[key]):.2f}"
+
+
+def r2(r: dict, key: str = "select_graph_us") -> float:
+    """The ratio as the text gives it: 1.00 is level, below it slower."""
+    return round(ratio(r[key]), 2)
+
+
+def slower_group(label: str, group: list[dict]) -> str:
+    """``label`` and its range, the attribute its slower rows share where its
+    faster or level rows lack it, and those rows."""
+    slow = [r for r in group if r2(r) < 1]
+    others = [r for r in group if r not in slow]
+    qualifier = ""
+    for attr, word in (("ends", "{} ends"), ("logits", "{}")):
+
+        def value(r, attr=attr):
+            return ends_of(r) if attr == "ends" else select_logits(r["logits"])
+
+        shared = {value(r) for r in slow}
+        if others and len(shared) == 1 and not {value(r) for r in others} & shared:
+            qualifier += " with " + word.format(*shared)
+    notes = []
+    for r in others:
+        own = [
+            f"with {ends_of(r)} ends" if ends_of(r) not in map(ends_of, slow) else "",
+            f"on {select_logits(r['logits'])}"
+            if r["logits"] not in {s["logits"] for s in slow}
+            else "",
+        ]
+        own = [o for o in own if o] or [f"at {select_size(r)} with {ends_of(r)} ends"]
+        notes.append(f"{x2(r)}x {' '.join(own)}")
+    detail = "; ".join([f"{span(ratio(r['select_graph_us']) for r in slow)}x", *notes])
+    return f"{label}{qualifier} ({detail})"
+
+
+BELOW_K = ("relu 0%", "relu 0.1%")
+
+
+def within_wave(rows: list[dict], name: str) -> str:
+    """Where the select alone is faster and slower than stock's top-k on the
+    rows of one path within one wave."""
 
     def sel(rows):
         return span(ratio(r["select_graph_us"]) for r in rows)
 
+    slow = [r for r in rows if r2(r) <= 1]
+    if not slow:
+        return f"{name} faster at every size ({sel(rows)}x)"
+    small = min(r["width"] for r in rows)
+    groups = [
+        (f"at {pools(small)} pools", [r for r in rows if r["width"] == small]),
+        (
+            "at short row ends",
+            [r for r in rows if r["width"] > small and ends_of(r) == "short"],
+        ),
+    ]
+    grouped = [r for _, g in groups for r in g]
+    sizes: dict[tuple, list[dict]] = {}
+    for r in sorted(slow, key=lambda r: (r["width"], r["rows"])):
+        if r not in grouped:
+            sizes.setdefault(
+                (r["width"], r["rows"], r["context"].partition(",")[2]), []
+            )
+    for (width, n, tail_), members in sizes.items():
+        members += [
+            r
+            for r in rows
+            if (r["width"], r["rows"], r["context"].partition(",")[2])
+            == (width, n, tail_)
+            and r not in grouped
+            and (r2(r) <= 1 or r["logits"] not in BELOW_K)
+        ]
+        groups.append((f"at {select_size(members[0])}", members))
+        grouped += members
+    below = [r for r in rows if r["logits"] in BELOW_K and r not in grouped]
+    rest = [r for r in rows if r not in grouped and r not in below]
+    assert all(r2(r) > 1 for r in below + rest), "a slower row left out"
+    by_width: dict[int, list[int]] = {}
+    for r in sorted(rest, key=lambda r: (r["width"], r["rows"])):
+        if r["rows"] not in by_width.setdefault(r["width"], []):
+            by_width[r["width"]].append(r["rows"])
+    where = join(
+        [
+            f"{join([str(n) for n in ns])} rows of {pools(w)} pools"
+            for w, ns in by_width.items()
+        ]
+    )
+    one = [
+        f"; {x2(r)}x at 1 x 64K"
+        for r in rest
+        if (r["rows"], r["width"], r["context"], r["logits"])
+        == (1, 65536, "full", "randn")
+    ]
+    below_k = f" and on ReLU logits with fewer than k pools above 0.0 ({sel(below)}x)"
+    return (
+        f"{name} faster at {where} ({sel(rest)}x{''.join(one)})"
+        + below_k * bool(below)
+        + "; slower than stock "
+        + join([slower_group(label, g) for label, g in groups])
+    )
+
+
+@block("select", "docs/bench-select-h200.json")
+def select_block(data: dict) -> str:
+    """The select alone against stock's top-k: within one wave (both
+    settings run it) where it is faster and where slower, its chain, and
+    past one wave (``true`` only)."""
+    sms = sms_of(data)
+    m = data["meta"]
+    gpu = m["gpu"].removeprefix("NVIDIA ")
+    staged = [
+        r for r in data["select"] if one_wave(r["rows"], r["width"], r["path"], sms)
+    ]
+    fp32 = [r for r in staged if r["path"] == "sm90-flashinfer"]
+    bf16 = [r for r in staged if r["path"] == "sm100-flashinfer"]
+    past = [r for r in data["select"] if r not in staged and r["logits"] == "randn"]
+    assert SELECT_BEFORE in m["measured"], m["measured"]
+
     def chain(rows):
-        return span(ratio(r["chain_graph_us"]) for r in rows)
+        values = [ratio(r["chain_graph_us"]) for r in rows]
+        return f"{span(values)}x" + ("" if min(values) > 1 else " (slower at some)")
 
-    def path(rows, name):
-        return [r for r in rows if r["path"] == name]
+    def beyond(name):
+        rows = [r for r in past if r["path"] == name]
+        slow = [r for r in rows if r2(r) < 1]
+        return (
+            f"{span(ratio(r['select_graph_us']) for r in rows)}x (slower than stock "
+            f"at {len(slow)} of its {len(rows)} sizes)"
+        )
 
-    m = data["meta"]
     return (
-        "With `kpool_select: true` the select runs at every decode batch size; "
-        '`"one_wave"` keeps stock\'s top-k for batches past one wave of its '
-        f"clusters (on the H200's {H200_SMS} SMs more than "
-        f"{max_one_wave_rows(65536)} rows of 64K pools, {max_one_wave_rows(262144)} "
-        "of 256K). Against stock's top-k in one run "
-        f"({link('docs/bench-select-h200.json')}, `tools/bench.py`, k {m['k']}, "
-        f"{m['date']}), within one wave: on the SM100 path's BF16 logits, with "
-        f"stock's upcast, {sel(bf16)}x; on Hopper's FP32 logits {sel(wide)}x at "
-        "1-8 rows of 64K-256K pools with full or random row ends "
-        f"({ratio(one['select_graph_us']):.2f}x at 1 x 64K), {sel(below_k)}x on "
-        "ReLU logits with fewer than k pools above 0.0, and slower at 16K pools and "
-        f"at short row ends ({sel(slow)}x); its chain with the fused remap "
-        f"{chain(fp32)}x on FP32, {chain(bf16)}x on BF16. Past one wave "
-        f"({min(r['rows'] for r in past)}-{max(r['rows'] for r in past)} rows) it "
-        f"is {sel(path(past, 'sm100-flashinfer'))}x on BF16 and "
-        f"{sel(path(past, 'sm90-flashinfer'))}x on FP32, the cost of batch "
+        "The select alone against stock's top-k (k "
+        f"{m['k']}; {link('docs/bench-select-h200.json')}, `tools/bench.py`, commit "
+        f"{SELECT_COMMIT}, {m['date']}, one {gpu}; rows are requests x next_n, "
+        "a pool is 4 tokens). `kpool_select: true` runs it at every decode batch "
+        'size, `"one_wave"` only within one wave of its clusters (on the '
+        f"{gpu}'s {sms} SMs up to {max_one_wave_rows(65536, sms)} rows of 64K pools, "
+        f"{max_one_wave_rows(262144, sms)} of 256K), stock's top-k past it. Within "
+        "one wave, for both: "
+        + within_wave(
+            bf16, "on the SM100 path's BF16 logits (with stock's upcast) it is"
+        )
+        + "; "
+        + within_wave(fp32, "on Hopper's FP32 logits it is")
+        + ". Its chain with the fused remap, which a step runs, is "
+        f"{chain(fp32)} on FP32 and {chain(bf16)} on BF16 there. Past one wave "
+        f"(`true` only; {min(r['rows'] for r in past)}-{max(r['rows'] for r in past)} "
+        f"rows, random logits) the select alone is {beyond('sm90-flashinfer')} on "
+        f"FP32 and {beyond('sm100-flashinfer')} on BF16: the cost of batch "
         'invariance that `"one_wave"` avoids.'
-    )
-
-
-@block("scores", "docs/bench-scores-h200.json")
-def scores_block(data: dict) -> str:
-    """The indexer decode after the query, DeepGEMM's scores on both sides."""
-    rows = {(r["rows"], r["next_n"], r["context"]): r for r in data["scores"]}
-
-    def at(requests, pools, key="step_graph_us"):
-        return rows[(requests, 1, pools)][key]
-
-    one, small, wide = at(1, 65536), at(1, 4096), at(64, 65536)
-    eager = span(ratio(r["step_eager_us"]) for r in data["scores"])
-    small_rows = [r for r in data["scores"] if r["rows"] <= 4]
-    m = data["meta"]
-    return (
-        "With DeepGEMM's scores and stock's top-k on both sides, the indexer's "
-        "decode after the query (scores, top-k, expansion and conversion; "
-        f"{link('docs/bench-scores-h200.json')}, `tools/bench.py`, DeepGEMM on "
-        "vLLM's padding to 32 heads, "
-        f"{m['date']}) takes {one[0]:.1f} µs stock and {one[1]:.1f} µs with the "
-        f"stage at 1 request of 64K pools ({ratio(one):.2f}x; "
-        f"{ratio(small):.2f}x at 4K pools), "
-        f"{span(ratio(r['step_graph_us']) for r in small_rows)}x at 1-4 requests "
-        f"of 4K-256K pools and next_n 1-2, and {ratio(wide):.2f}x at 64 requests "
-        "of 64K pools, where DeepGEMM's read of the index cache "
-        f"({at(64, 65536, 'scores_graph_us')[0]:.0f} µs) is most of it; eager, "
-        f"host counted, {eager}x."
-    )
-
-
-@block("step_scores", "docs/bench-scores-h200.json")
-def step_scores_block(data: dict) -> str:
-    """The indexer decode after the query with the opt-in scores and select."""
-    rows = {(r["rows"], r["next_n"], r["context"]): r for r in data["scores"]}
-    pair = "step_scores_graph_us"
-    one, small, wide = rows[(1, 1, 65536)], rows[(1, 1, 4096)], rows[(64, 1, 65536)]
-    few = [r for r in data["scores"] if r["rows"] <= 8]
-    big = [r for r in data["scores"] if r["rows"] >= 32 and r["context"] >= 131072]
-    return (
-        "With `kpool_scores: true` too (our scores, then the select, on "
-        f"the 16 real heads; {link('docs/bench-scores-h200.json')}): "
-        f"{one[pair][1]:.1f} µs "
-        f"against {one[pair][0]:.1f} at 1 x 64K ({ratio(one[pair]):.2f}x; "
-        f"{ratio(small[pair]):.2f}x at 4K), {span(ratio(r[pair]) for r in few)}x "
-        f"at 1-8 requests, {ratio(wide[pair]):.2f}x at 64 x 64K, and "
-        f"{span(ratio(r[pair]) for r in big)}x at 32-64 requests of 128K-256K "
-        "pools, where the select runs past one wave of its clusters "
-        '(`kpool_select: "one_wave"` keeps stock\'s top-k there).'
     )
 
 
@@ -1035,19 +1360,27 @@ def steps_claims(data: dict) -> list[str]:
 
 
 def wrap(text: str) -> str:
-    """Paragraphs at the README's width; tables as they are."""
-    return "\n\n".join(
-        part
-        if part.startswith("|")
-        else textwrap.fill(
+    """Paragraphs and list items at the README's width; tables as they
+    are."""
+
+    def fill(part: str, indent: str = "") -> str:
+        return textwrap.fill(
             part,
             76,
-            subsequent_indent="  " if part.startswith("- ") else "",
+            subsequent_indent=indent,
             break_long_words=False,
             break_on_hyphens=False,
         )
-        for part in text.split("\n\n")
-    )
+
+    def paragraph(part: str) -> str:
+        if part.startswith("|"):
+            return part
+        if part.startswith("- "):
+            items = part[2:].split("\n- ")
+            return "\n".join(fill("- " + item, "  ") for item in items)
+        return fill(part)
+
+    return "\n\n".join(paragraph(part) for part in text.split("\n\n"))
 
 
 def render(name: str, source: str, root: Path = REPO) -> str:

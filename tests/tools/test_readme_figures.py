@@ -5,7 +5,8 @@ what its committed JSON gives, and names that JSON; every claim (a range
 and its label in docs/*.md) is in its page as its JSON gives it; a figure
 changed on either side, a label changed without its figure, and JSON that
 contradicts a label are reported; the DSA layer count the per-token figures
-use is transformers' GLM-5-Next config's."""
+use is transformers' GLM-5-Next config's. The README's own labels:
+test_readme_figures_labels.py."""
 
 from __future__ import annotations
 
@@ -106,8 +107,11 @@ def test_dsa_layers_are_transformers_glm5next_config():
     )
 
     config = Glm5NextTextConfig()
-    assert config.num_hidden_layers == 45
-    assert config.layer_types.count("indexed_attention") == rf.DSA_LAYERS
+    assert config.num_hidden_layers == rf.LAYERS == 45
+    dsa = [i for i, t in enumerate(config.layer_types) if t == "indexed_attention"]
+    assert dsa == list(range(rf.FIRST_DSA_LAYER, rf.LAYERS, 4))
+    assert len(dsa) == rf.DSA_LAYERS
+    assert set(config.layer_types) - {"indexed_attention"} == {"linear_attention"}
 
 
 def edit(path: Path, old: str, new: str) -> None:
