@@ -277,6 +277,35 @@ def test_select_keys_are_each_row_count_it_runs(width, max_rows, one_wave):
     assert set(keys) == select_keys(min(max_rows, wave), width)
 
 
+@pytest.mark.parametrize("width", [16384, 65536, 131072, 262144])
+def test_select_warms_a_full_batch_at_every_cluster_threshold(width):
+    """A stage of ``max_rows`` rows warms the key of a full batch for every
+    ``max_rows`` up to past one wave, those where a new cluster size starts
+    included (17 rows of 16384 pools, 5 of 262144 on 132 SMs): a batch
+    without its key would run stock's top-k and not be batch-invariant."""
+    thresholds = []
+    for max_rows in range(1, 90):
+        stage = SimpleNamespace(
+            mx_scales=False,
+            select=True,
+            fuse=True,
+            max_rows=max_rows,
+            sms=132,
+            select_one_wave=False,
+            scores=False,
+        )
+        values = dict(
+            (kernel, v)
+            for kernel, v in warmup.deployment_values(stage, [_layer(width)])
+            if kernel is SELECT
+        )[SELECT]
+        keys = set(SELECT.get_warmup_keys(**values))
+        assert keys == select_keys(max_rows, width), max_rows
+        if max_rows > 1 and not select_keys(max_rows - 1, width) >= keys:
+            thresholds.append(max_rows)
+    assert thresholds, "no row count starts a new cluster size"
+
+
 def _layer(width: int, page: int = 16, heads: int = 16):
     """A DSA layer as ``deployment_values`` reads it (2048-token top-k,
     ``width`` pools of logits, ``page``-pool cache pages, ``heads`` index
