@@ -599,6 +599,7 @@ def select_block(data: dict) -> str:
     bf16 = [r for r in staged if r["path"] == "sm100-flashinfer"]
     past = [r for r in data["select"] if r not in staged and r["logits"] == "randn"]
     assert SELECT_BEFORE in m["measured"], m["measured"]
+    assert m["commit"] == SELECT_COMMIT, m["commit"]
 
     def chain(rows):
         values = [ratio(r["chain_graph_us"]) for r in rows]
@@ -615,7 +616,7 @@ def select_block(data: dict) -> str:
     return (
         "The select alone against stock's top-k (k "
         f"{m['k']}; {link('docs/bench-select-h200.json')}, `tools/bench.py`, commit "
-        f"{SELECT_COMMIT}, {m['date']}, one {gpu}; rows are requests x next_n, "
+        f"{m['commit']}, {m['date']}, one {gpu}; rows are requests x next_n, "
         "a pool is 4 tokens). `kpool_select: true` runs it at every decode batch "
         'size, `"one_wave"` only within one wave of its clusters (on the '
         f"{gpu}'s {sms} SMs up to {max_one_wave_rows(65536, sms)} rows of 64K pools, "

@@ -79,11 +79,12 @@ def git(*args: str) -> str | None:
 
 
 def test_the_select_json_is_of_the_commit_the_readme_names():
-    """Its meta names the commit before ("this commit's select, then
-    31e6ca5's"); the README's commit is that one's child, and its rows are
-    the JSON's rows at that commit."""
+    """Its meta names its commit, the README's, and the one before
+    ("6eb5142's select, then 31e6ca5's"); the README's commit is that one's
+    child, and its rows are the JSON's rows at that commit."""
     meta = load(SELECT)["meta"]
-    assert f"{rf.SELECT_BEFORE}'s (the previous commit's)" in meta["measured"]
+    assert meta["commit"] == rf.SELECT_COMMIT
+    assert f"{rf.SELECT_BEFORE}'s (its parent's)" in meta["measured"]
     parent = git("rev-parse", f"{rf.SELECT_COMMIT}^")
     if parent is None:
         pytest.skip(f"no git history of {rf.SELECT_COMMIT} here")
