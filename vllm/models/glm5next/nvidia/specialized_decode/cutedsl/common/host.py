@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 from cutlass.cute.runtime import make_fake_tensor
 
 # Re-exported: every kernel's __call__ is kernel_launcher(spec).
@@ -18,14 +18,14 @@ from vllm.model_executor.warmup.jit_warmup_cutedsl_helper import (
     VllmCuTeDSLJitKernel,
 )
 
-from ...constants import INT32_MAX, INT32_MIN
+from ...constants import INT32_MAX, INT32_MIN, POOL
 
 CompileKeyT = TypeVar("CompileKeyT")
 # The index dtypes the kernels read, as DSL integer types.
 INDEX_TYPES = {torch.int32: Int32, torch.int64: Int64}
 # The dtypes of the fake tensors a key compiles on, as DSL types.
 DSL_TYPES = INDEX_TYPES | {torch.bfloat16: BFloat16, torch.float32: Float32}
-DSL_TYPES[torch.uint8] = Uint8
+DSL_TYPES |= {torch.uint8: Uint8, torch.float8_e4m3fn: Float8E4M3FN}
 
 
 def fake(dtype: torch.dtype, shape: tuple, stride: tuple, align: int = 4):
@@ -80,6 +80,32 @@ def sm_count(index: int) -> int:
 def check_int32(name: str, value: Any) -> None:
     if not isinstance(value, int) or not INT32_MIN <= value <= INT32_MAX:
         raise mismatch(name, "an int32", value)
+
+
+def check_int(name: str, value: Any, low: int, high: int, expected: str) -> None:
+    """``value`` is an int in ``[low, high]``, not a bool."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if not is_int or not low <= value <= high:
+        raise mismatch(name, expected, value)
+
+
+def check_pool_size(pool_size: Any) -> None:
+    if pool_size != POOL:
+        raise mismatch("pool_size", str(POOL), pool_size)
+
+
+def unit_columns(tensor, dtypes, row_multiple: int = 1, align: int = 1) -> bool:
+    """Whether ``tensor`` is a [rows, columns] tensor of ``dtypes`` with a
+    unit column stride, a row stride that is a multiple of ``row_multiple``
+    and data ``align``-byte aligned."""
+    stride = tensor.stride()
+    return (
+        tensor.dtype in dtypes
+        and len(stride) == 2
+        and stride[1] == 1
+        and stride[0] % row_multiple == 0
+        and tensor.data_ptr() % align == 0
+    )
 
 
 def check_pool_ids(pool_ids: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from ..common.host import (
     INDEX_TYPES,
     KpoolKernel,
     check_devices,
+    check_pool_size,
     fake,
     kernel_launcher,
     layout,
@@ -19,16 +20,9 @@ from ..common.host import (
 )
 from .kernel import KpoolUpdate
 
-TENSORS = (
-    "kv_cache",
-    "tail_kv_cache",
-    "tail_slot_mapping",
-    "key",
-    "slot_score",
-    "ape",
-    "slot_mapping",
-    "positions",
-)
+# The tensor arguments, in order.
+TENSORS = ("kv_cache", "tail_kv_cache", "tail_slot_mapping", "key", "slot_score")
+TENSORS += ("ape", "slot_mapping", "positions")
 
 
 def check(tensors: tuple, pool_size, head_dim) -> None:
@@ -39,8 +33,7 @@ def check(tensors: tuple, pool_size, head_dim) -> None:
     slot_mapping, positions = tensors[6:]
     if head_dim != DIM:
         raise mismatch("head_dim", str(DIM), head_dim)
-    if pool_size != POOL:
-        raise mismatch("pool_size", str(POOL), pool_size)
+    check_pool_size(pool_size)
     cache = kv_cache.stride()
     if (
         kv_cache.dtype is not torch.uint8
@@ -138,16 +131,8 @@ class UpdateKernel(KpoolKernel["UpdateKernel.CompileKey"]):
         mx_scales: bool,
         round_scale: bool = True,
     ):
-        tensors = (
-            kv_cache,
-            tail_kv_cache,
-            tail_slot_mapping,
-            key,
-            slot_score,
-            ape,
-            slot_mapping,
-            positions,
-        )
+        tensors = (kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape)
+        tensors += (slot_mapping, positions)
         check(tensors, pool_size, head_dim)
         compile_key = self.dispatch(
             ring=tail_kv_cache.shape[2],
