@@ -134,18 +134,13 @@ class UpdateKernel(KpoolKernel["UpdateKernel.CompileKey"]):
         tensors = (kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape)
         tensors += (slot_mapping, positions)
         check(tensors, pool_size, head_dim)
-        compile_key = self.dispatch(
-            ring=tail_kv_cache.shape[2],
-            page=kv_cache.shape[1],
-            page_bytes=kv_cache.stride(0),
-            tail_block=tail_kv_cache.stride(0),
-            tail_half=tail_kv_cache.stride(1),
-            mx_scales=bool(mx_scales),
-            round_scale=bool(round_scale),
-            tail_slots_dtype=tail_slot_mapping.dtype,
-            slots_dtype=slot_mapping.dtype,
-            positions_dtype=positions.dtype,
-        )
+        tail = tail_kv_cache
+        fields = dict(ring=tail.shape[2], page=kv_cache.shape[1])
+        fields |= dict(page_bytes=kv_cache.stride(0), tail_block=tail.stride(0))
+        fields |= dict(tail_half=tail.stride(1), mx_scales=bool(mx_scales))
+        fields |= dict(round_scale=bool(round_scale), positions_dtype=positions.dtype)
+        fields |= dict(tail_slots_dtype=tail_slot_mapping.dtype)
+        compile_key = self.dispatch(**fields, slots_dtype=slot_mapping.dtype)
         requests, tokens = key.shape[:2]
         return compile_key, tensors if requests and tokens else None, None
 
