@@ -2,19 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The kpool indexer's decode kernels in CuTe DSL, bit for bit with the stock
 Triton kernels of ``ops/kpool_compress.py``, ``as_fp32_logits`` and the
-sparse MLA index conversion: the kernels' public face. The stage that runs
-them in planned decode steps is in ``runtime/`` (``runtime.stage.KpoolStage``,
-``runtime.remap.FusedRemap``), above this module, which imports none of it.
+sparse MLA index conversion: the kernels' public face (the stage that runs
+them is ``runtime/``, which this module does not import).
 
 Each function is its kernel's contract (the kernel class's docstring in
-``cutedsl/<op>/launch.py``), takes what its rule (``check`` there) admits
-and raises ``Refused`` (a ``ValueError``) naming the argument otherwise; the
-stage sends such inputs, and any whose kernel its warmup did not compile and
-check, to the stock function. A function compiles a kernel variant on first
-use (never inside a CUDA graph capture); launches go through TVM-FFI on
-torch's current stream, with PDL. One is not bit for bit: ``select_topk``,
-stock's set in its own stated order and tie choice, which the stage runs
-only where the deployment opts in (``kpool_select``).
+``cutedsl/<op>/launch.py``) and raises ``Refused`` (a ``ValueError``) naming
+the argument its rule (``check`` there) does not take. A function compiles a
+kernel variant on first use (never inside a CUDA graph capture). One is not
+bit for bit: ``select_topk``, stock's set in its own stated order and tie
+choice.
 """
 
 import torch

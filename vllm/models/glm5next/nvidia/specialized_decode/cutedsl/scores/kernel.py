@@ -29,20 +29,14 @@ with the FP32 rounding of DeepGEMM's SM90 kernel, step for step:
 - 16 heads: as vLLM's padding of them to 32 zero heads for DeepGEMM (the
   stage hands the kernel a view of the 16 real heads of the padded query).
 
-Columns at or past ``ctx`` (or the row width) are not written (DeepGEMM
-writes up to the next multiple of 64 values nobody reads).
+Columns at or past ``ctx`` (or the row width) are not written. Each
+arithmetic step is one inline-PTX instruction, so LLVM neither contracts
+nor re-associates it.
 
-Each arithmetic step is one inline-PTX instruction, so LLVM neither
-contracts nor re-associates it.
-
-CTA ``(split, b)`` takes the contiguous tiles ``[split * per, (split + 1) *
-per)`` of entry ``b``'s ``ceil(ctx / 64)`` tiles (``per = ceil(tiles /
-splits)``). A producer warp copies the query a (heads, DIM) slab a query
-row (its own strides), then reads the block table and issues each tile's
-TMA copies (the page's FP8 rows, 128-byte swizzled, and its FP32 scales)
-into ``STAGES`` stages, refilling a stage once the consumers released it;
-the consumer warpgroup runs each tile's wgmma, releases the stage and runs
-the epilogue, never waiting on the producer's issue.
+CTA ``(split, b)`` takes a contiguous share of entry ``b``'s tiles: a
+producer warp issues their TMA copies into ``STAGES`` stages, the consumer
+warpgroup runs each tile's wgmma and epilogue (docs/performance.md, "Our
+scores").
 """
 
 import cuda.bindings.driver as cuda
