@@ -170,16 +170,7 @@ class KpoolScores:
             g2s, m_scale, cute.select(scale_layout, mode=[0]), (self.block,)
         )
         self.kernel(
-            tma_q,
-            g_q,
-            tma_k,
-            g_k,
-            tma_s,
-            g_s,
-            weights,
-            seq_lens,
-            block_table,
-            logits,
+            tma_q, g_q, tma_k, g_k, tma_s, g_s, weights, seq_lens, block_table, logits
         ).launch(
             grid=(splits, entries, 1),
             block=(THREADS, 1, 1),
@@ -460,15 +451,7 @@ class KpoolScores:
             # reads above): the producer refills it once all have arrived.
             cute.arch.mbarrier_arrive(bars + STAGES + stage)
             self.epilogue(
-                acc,
-                s_w,
-                weights,
-                scale0,
-                scale1,
-                logits,
-                entry,
-                t * TILE + r0,
-                ctx,
+                acc, s_w, weights, scale0, scale1, logits, entry, t * TILE + r0, ctx
             )
 
     def thread_weights(self, s_w):
