@@ -14,10 +14,7 @@ import torch
 
 from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits
 from vllm.models.glm5next.nvidia.ops import kpool_compress
-from vllm.utils.deep_gemm import (
-    fp8_fp4_paged_mqa_logits,
-    get_paged_mqa_logits_metadata,
-)
+from vllm.utils.deep_gemm import fp8_fp4_paged_mqa_logits, get_paged_mqa_logits_metadata
 from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
@@ -481,15 +478,9 @@ def deep_gemm_scores(arguments: dict) -> torch.Tensor:
     seq_lens, kv_cache = arguments["seq_lens"], arguments["kv_cache"]
     sms = sm_count(seq_lens.get_device())
     metadata = get_paged_mqa_logits_metadata(seq_lens, kv_cache.shape[1], sms)
-    return fp8_fp4_paged_mqa_logits(
-        arguments["q"],
-        kv_cache,
-        arguments["weights"],
-        seq_lens,
-        arguments["block_table"],
-        metadata,
-        max_model_len=arguments["max_model_len"],
-    )
+    a = arguments
+    args = (a["q"], kv_cache, a["weights"], seq_lens, a["block_table"], metadata)
+    return fp8_fp4_paged_mqa_logits(*args, max_model_len=a["max_model_len"])
 
 
 def _fp8(shape, gen) -> torch.Tensor:

@@ -48,20 +48,9 @@ def kpool_update(
     round_scale: bool = True,
 ) -> None:
     """``UpdateKernel``'s contract (``head_dim`` 128)."""
-    UPDATE(
-        kv_cache,
-        tail_kv_cache,
-        tail_slot_mapping,
-        key,
-        slot_score,
-        ape,
-        slot_mapping,
-        positions,
-        pool_size,
-        DIM,
-        mx_scales=mx_scales,
-        round_scale=round_scale,
-    )
+    tensors = (kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape)
+    tensors += (slot_mapping, positions)
+    UPDATE(*tensors, pool_size, DIM, mx_scales=mx_scales, round_scale=round_scale)
 
 
 def expand_pools(
@@ -73,13 +62,8 @@ def expand_pools(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """``ExpandKernel``'s contract; returns ``out``."""
-    return EXPAND(
-        pool_ids=pool_ids,
-        seq_lens=seq_lens,
-        pool_size=pool_size,
-        seq_offset=seq_offset,
-        out=out,
-    )
+    arguments = dict(pool_ids=pool_ids, seq_lens=seq_lens, pool_size=pool_size)
+    return EXPAND(**arguments, seq_offset=seq_offset, out=out)
 
 
 def expand_and_remap(
@@ -96,18 +80,10 @@ def expand_and_remap(
     seq_offset: int = 1,
 ) -> None:
     """``RemapKernel``'s contract."""
-    REMAP(
-        pool_ids=pool_ids,
-        positions=positions,
-        pool_size=pool_size,
-        req_ids=req_ids,
-        block_table=block_table,
-        out=out,
-        counts=counts,
-        block_size=block_size,
-        stride_rows=stride_rows,
-        seq_offset=seq_offset,
-    )
+    arguments = dict(pool_ids=pool_ids, positions=positions, pool_size=pool_size)
+    arguments |= dict(req_ids=req_ids, block_table=block_table, out=out)
+    arguments |= dict(counts=counts, block_size=block_size, stride_rows=stride_rows)
+    REMAP(**arguments, seq_offset=seq_offset)
 
 
 def upcast_logits(
@@ -118,11 +94,7 @@ def upcast_logits(
 
 
 def select_topk(
-    logits: torch.Tensor,
-    ends: torch.Tensor,
-    k: int,
-    *,
-    out: torch.Tensor | None = None,
+    logits: torch.Tensor, ends: torch.Tensor, k: int, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``SelectKernel``'s contract; returns the int32 [rows, k] ids."""
     return SELECT(logits=logits, ends=ends, k=k, out=out)

@@ -14,9 +14,7 @@ from cutlass.cute.runtime import make_fake_tensor
 
 # Re-exported: every kernel's __call__ is kernel_launcher(spec).
 from vllm.model_executor.warmup.jit_warmup import kernel_launcher as kernel_launcher
-from vllm.model_executor.warmup.jit_warmup_cutedsl_helper import (
-    VllmCuTeDSLJitKernel,
-)
+from vllm.model_executor.warmup.jit_warmup_cutedsl_helper import VllmCuTeDSLJitKernel
 
 from ...constants import INT32_MAX, INT32_MIN, POOL
 
@@ -141,15 +139,11 @@ class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
     checks the arguments against the kernel's rule (raising ``Refused``) and
     returns ``(compile key, executor arguments or None where there is
     nothing to compute, output)``; ``__call__`` is ``kernel_launcher(spec)``.
-
-    The module's instance (``owner`` None) serves the public functions: it
+    The module's instance (``owner`` None) serves the public functions and
     compiles a missing key (never inside a CUDA graph capture). An owner's
-    instance (a stage's, ``KernelOwner``) launches only the executors its
-    owner's verdict holds (``checked``); for any other key, and for
-    arguments its rule refuses (``serve``), it launches nothing and returns
-    ``STOCK``: the caller runs the stock kernel. All instances of a kernel
-    share the compiled executors (a compile is a function of its key
-    alone)."""
+    instance (a stage's) launches only the executors its owner's verdict
+    holds (``checked``), else returns ``STOCK`` (``serve`` also on a refusal):
+    the caller runs the stock kernel. All instances share the executors."""
 
     compiled: dict
 

@@ -29,23 +29,18 @@ NEXT_N = (1, 2, 3, 4)
 BLOCKS = (32, 64)
 # DeepGEMM's logits row stride: the width rounded up to 256 columns.
 ROW_ALIGN = 256
-# CTAs a step aims at, per SM: an entry's tiles are split over
-# ceil(ctas * sms / entries) CTAs, so that one entry keeps every SM reading.
-# Four where the step has few tiles (at most FEW_TILES a SM), so that more
-# CTAs hide each one's start (its block table, query and weights); else two,
-# since more concurrent streams an SM read a large cache slower
-# (docs/performance.md, "Our scores").
+# CTAs a step aims at, per SM (``splits_for``): four where the step has few
+# tiles (at most FEW_TILES a SM), to hide each CTA's start; else two, since
+# more concurrent streams an SM read a large cache slower.
 CTAS_PER_SM, CTAS_PER_SM_FEW, FEW_TILES = 2, 4, 16
 
 
 def served_heads(index_heads: int) -> int | None:
     """The heads the kernel scores for an indexer of ``index_heads`` query
-    heads, which vLLM zero-pads (query and weights) to 32 for DeepGEMM where
-    fewer (``models/glm5next/common/attention.py``): the real ones where the
-    kernel takes that many (its call takes a view of the padded query: the
-    zero heads add nothing to a logit but the sign of a zero, which the
-    kernel keeps as they would), else the padded count; None where it takes
-    neither."""
+    heads, which vLLM zero-pads to 32 for DeepGEMM: the real ones where the
+    kernel takes that many (a view of the padded query: the zero heads add
+    nothing but the sign of a zero, which the kernel keeps), else the padded
+    count; None where it takes neither."""
     if index_heads in HEADS:
         return index_heads
     padded = max(index_heads, 32)
@@ -53,7 +48,8 @@ def served_heads(index_heads: int) -> int | None:
 
 
 def splits_for(entries: int, width: int, sms: int) -> int:
-    """The CTAs an entry's tiles (of a ``width``-pool row) are split over."""
+    """The CTAs an entry's tiles (of a ``width``-pool row) are split over:
+    ``ceil(ctas * sms / entries)``, so that one entry keeps every SM reading."""
     tiles = -(-width // TILE)
     few = entries * tiles <= FEW_TILES * sms
     ctas = CTAS_PER_SM_FEW if few else CTAS_PER_SM

@@ -106,17 +106,16 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
     """``get_indexer_topk(backend)(logits, lengths, next_n, out, k,
     max_seq_len)`` of GLM-5-Next's decode (vLLM's ``cooperative_topk`` /
     ``persistent_topk``) with the same set in a stated order and tie choice
-    (stock's are its atomics'; docs/select-contract.md compares them), into
-    ``out`` (None: a new int32 [rows, k] tensor). Row ``r`` reads its valid
-    columns ``[0, clamp(ends[r], 0, width))`` only, ordered by stock's
-    refining key (``convert_to_uint32_v2``: IEEE totalOrder, ``-NaN < -inf <
-    ... < -0.0 < +0.0 < ... < +NaN``; BF16 by the 16-bit key of its exact
-    upcast, so no upcast). ``end <= k``: ``0, ..., end - 1, -1, ...``
-    (stock's bytes); else the keys above the ``k``-th largest ``T`` and the
-    lowest columns equal to ``T``, in ascending column order. One compile
-    key per ``k``, logits dtype, cluster size (``cluster_for`` the rows and
-    width on the device's SMs) and shared key capacity
-    (``slice_capacity``)."""
+    (docs/select-contract.md compares them with stock's), into ``out``
+    (None: a new int32 [rows, k] tensor). Row ``r`` reads its valid columns
+    ``[0, clamp(ends[r], 0, width))`` only, ordered by stock's refining key
+    (``convert_to_uint32_v2``: IEEE totalOrder, ``-NaN < -inf < ... < -0.0 <
+    +0.0 < ... < +NaN``; BF16 by the 16-bit key of its exact upcast, so no
+    upcast). ``end <= k``: ``0, ..., end - 1, -1, ...`` (stock's bytes); else
+    the keys above the ``k``-th largest ``T`` and the lowest columns equal to
+    ``T``, in ascending column order. One compile key per ``k``, logits
+    dtype, cluster size (``cluster_for`` the rows and width on the device's
+    SMs) and shared key capacity (``slice_capacity``)."""
 
     @dataclass(frozen=True)
     class CompileKey:
