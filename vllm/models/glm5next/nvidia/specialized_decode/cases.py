@@ -3,13 +3,9 @@
 """The self-check's cases: randomized inputs of each kpool kernel in one
 compile key's layout, and what its stock twin makes of them; the one place
 the kernels' edge values are drawn (the GPU tests take their cases here).
-
 A ``Case`` holds the kernel's keyword arguments, every buffer the kernel may
-write (whole, filled with random bytes first: ``poisoned``) and copies of
-them as the stock twin leaves them, computed when the case is drawn (where
-stock leaves memory unwritten, only what it wrote is read). The opt-in
-select's expected rows are its contract (``select_reference``). A kernel's
-cases are of the compile keys its routing can launch."""
+write (whole, ``poisoned`` first) and copies of them as the stock twin
+leaves them (the opt-in select: its contract, ``select_reference``)."""
 
 import random
 from dataclasses import dataclass
@@ -18,10 +14,7 @@ import torch
 
 from vllm.model_executor.layers.sparse_attn_indexer import as_fp32_logits
 from vllm.models.glm5next.nvidia.ops import kpool_compress
-from vllm.utils.deep_gemm import (
-    fp8_fp4_paged_mqa_logits,
-    get_paged_mqa_logits_metadata,
-)
+from vllm.utils.deep_gemm import fp8_fp4_paged_mqa_logits, get_paged_mqa_logits_metadata
 from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
@@ -307,19 +300,11 @@ def remap_case(rng: random.Random, gen: torch.Generator, key) -> Case:
         out=want_out[:rows],
         valid_counts_out=valid,
     )
-    arguments = dict(
-        pool_ids=ids,
-        positions=positions,
-        pool_size=POOL,
-        req_ids=req_ids,
-        block_table=table,
-        out=out[:rows],
-        counts=counts[:rows] if key.counts else None,
-        block_size=key.block_size,
-        stride_rows=key.stride_rows,
-        seq_offset=1,
-        int32_lengths=key.int32_lengths,
-    )
+    arguments = dict(pool_ids=ids, positions=positions, pool_size=POOL)
+    arguments |= dict(req_ids=req_ids, block_table=table, out=out[:rows])
+    arguments |= dict(counts=counts[:rows] if key.counts else None)
+    arguments |= dict(block_size=key.block_size, stride_rows=key.stride_rows)
+    arguments |= dict(seq_offset=1, int32_lengths=key.int32_lengths)
     return Case(arguments, (out, counts), (want_out, want_counts))
 
 
@@ -493,15 +478,9 @@ def deep_gemm_scores(arguments: dict) -> torch.Tensor:
     seq_lens, kv_cache = arguments["seq_lens"], arguments["kv_cache"]
     sms = sm_count(seq_lens.get_device())
     metadata = get_paged_mqa_logits_metadata(seq_lens, kv_cache.shape[1], sms)
-    return fp8_fp4_paged_mqa_logits(
-        arguments["q"],
-        kv_cache,
-        arguments["weights"],
-        seq_lens,
-        arguments["block_table"],
-        metadata,
-        max_model_len=arguments["max_model_len"],
-    )
+    a = arguments
+    args = (a["q"], kv_cache, a["weights"], seq_lens, a["block_table"], metadata)
+    return fp8_fp4_paged_mqa_logits(*args, max_model_len=a["max_model_len"])
 
 
 def _fp8(shape, gen) -> torch.Tensor:
@@ -562,14 +541,8 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     last = torch.tensor(contexts, dtype=torch.int32, device=gen.device)
     ahead = torch.arange(next_n - 1, -1, -1, dtype=torch.int32, device=gen.device)
     seq_lens = (last[:, None] - ahead).clamp(min=0).contiguous()
-    arguments = dict(
-        q=(q, None),
-        kv_cache=kv_cache,
-        weights=weights,
-        seq_lens=seq_lens,
-        block_table=table,
-        max_model_len=width,
-    )
+    arguments = dict(q=(q, None), kv_cache=kv_cache, weights=weights)
+    arguments |= dict(seq_lens=seq_lens, block_table=table, max_model_len=width)
     stock = deep_gemm_scores(arguments).view(torch.int32)
     arguments |= dict(q=(q[:, :, :heads], None), weights=weights[:, :heads])
     out = poisoned((entries * next_n, row_stride(width)), torch.float32, gen)

@@ -2,17 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The deployment's choice: ``additional_config`` and the environment read
 into a ``DecodeConfig``, and what a deployment must have to run the
-``dsa_kpool`` stage. docs/reference.md tables the settings.
-
-``additional_config`` must be a dict. Every setting is read and checked
-first, whatever the backend: a bad value raises a ``ValueError`` that
-echoes it (cut to ``ECHO_LIMIT`` characters) and says where it came from.
-Then,
-with ``latency_specialized``, the requirements (one error lists every one
-missed); under ``auto`` one warning names the settings that are set but
-only matter with ``latency_specialized``. A key or ``VLLM_`` variable named
-like a setting but none warns with the nearest valid name. vLLM is
-imported inside the functions.
+``dsa_kpool`` stage. docs/reference.md tables the settings and the order
+they are checked in. vLLM is imported inside the functions.
 """
 
 import difflib
@@ -307,9 +298,7 @@ def unsupported(vllm_config) -> list[str]:
             not parallel.use_ubatching
         ),
         # The routing is host code run at each eager step and capture; a
-        # compiled forward would trace one decision into every step. vLLM
-        # gives GLM-5-Next mode NONE with breakable CUDA graphs by default;
-        # -O0 would also turn the CUDA graphs off.
+        # compiled forward would trace one decision into every step.
         "no torch.compile of the model (compilation_config mode NONE: vLLM's "
         "default for GLM-5-Next, with breakable CUDA graphs, unless "
         "VLLM_USE_BREAKABLE_CUDAGRAPH=0; else -cc.mode=none; found "

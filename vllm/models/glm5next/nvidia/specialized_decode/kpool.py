@@ -2,19 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The kpool indexer's decode kernels in CuTe DSL, bit for bit with the stock
 Triton kernels of ``ops/kpool_compress.py``, ``as_fp32_logits`` and the
-sparse MLA index conversion: the kernels' public face. The stage that runs
-them in planned decode steps is in ``runtime/`` (``runtime.stage.KpoolStage``,
-``runtime.remap.FusedRemap``), above this module, which imports none of it.
+sparse MLA index conversion: the kernels' public face (the stage that runs
+them is ``runtime/``, which this module does not import).
 
 Each function is its kernel's contract (the kernel class's docstring in
-``cutedsl/<op>/launch.py``), takes what its rule (``check`` there) admits
-and raises ``Refused`` (a ``ValueError``) naming the argument otherwise; the
-stage sends such inputs, and any whose kernel its warmup did not compile and
-check, to the stock function. A function compiles a kernel variant on first
-use (never inside a CUDA graph capture); launches go through TVM-FFI on
-torch's current stream, with PDL. One is not bit for bit: ``select_topk``,
-stock's set in its own stated order and tie choice, which the stage runs
-only where the deployment opts in (``kpool_select``).
+``cutedsl/<op>/launch.py``) and raises ``Refused`` (a ``ValueError``) naming
+the argument its rule (``check`` there) does not take. A function compiles a
+kernel variant on first use (never inside a CUDA graph capture). One is not
+bit for bit: ``select_topk``, stock's set in its own stated order and tie
+choice.
 """
 
 import torch
@@ -52,20 +48,9 @@ def kpool_update(
     round_scale: bool = True,
 ) -> None:
     """``UpdateKernel``'s contract (``head_dim`` 128)."""
-    UPDATE(
-        kv_cache,
-        tail_kv_cache,
-        tail_slot_mapping,
-        key,
-        slot_score,
-        ape,
-        slot_mapping,
-        positions,
-        pool_size,
-        DIM,
-        mx_scales=mx_scales,
-        round_scale=round_scale,
-    )
+    tensors = (kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape)
+    tensors += (slot_mapping, positions)
+    UPDATE(*tensors, pool_size, DIM, mx_scales=mx_scales, round_scale=round_scale)
 
 
 def expand_pools(
@@ -77,13 +62,8 @@ def expand_pools(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """``ExpandKernel``'s contract; returns ``out``."""
-    return EXPAND(
-        pool_ids=pool_ids,
-        seq_lens=seq_lens,
-        pool_size=pool_size,
-        seq_offset=seq_offset,
-        out=out,
-    )
+    arguments = dict(pool_ids=pool_ids, seq_lens=seq_lens, pool_size=pool_size)
+    return EXPAND(**arguments, seq_offset=seq_offset, out=out)
 
 
 def expand_and_remap(
@@ -100,18 +80,10 @@ def expand_and_remap(
     seq_offset: int = 1,
 ) -> None:
     """``RemapKernel``'s contract."""
-    REMAP(
-        pool_ids=pool_ids,
-        positions=positions,
-        pool_size=pool_size,
-        req_ids=req_ids,
-        block_table=block_table,
-        out=out,
-        counts=counts,
-        block_size=block_size,
-        stride_rows=stride_rows,
-        seq_offset=seq_offset,
-    )
+    arguments = dict(pool_ids=pool_ids, positions=positions, pool_size=pool_size)
+    arguments |= dict(req_ids=req_ids, block_table=block_table, out=out)
+    arguments |= dict(counts=counts, block_size=block_size, stride_rows=stride_rows)
+    REMAP(**arguments, seq_offset=seq_offset)
 
 
 def upcast_logits(
@@ -122,11 +94,7 @@ def upcast_logits(
 
 
 def select_topk(
-    logits: torch.Tensor,
-    ends: torch.Tensor,
-    k: int,
-    *,
-    out: torch.Tensor | None = None,
+    logits: torch.Tensor, ends: torch.Tensor, k: int, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``SelectKernel``'s contract; returns the int32 [rows, k] ids."""
     return SELECT(logits=logits, ends=ends, k=k, out=out)

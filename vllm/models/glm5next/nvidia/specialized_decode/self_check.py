@@ -1,11 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The stage's self-check at the JIT warmup: on the deployment's own GPU,
-every compiled kernel variant runs ``CASES`` randomized cases (``cases.py``)
-with the executor the stage would launch, and the buffers each case lists
-as written are compared, byte for byte, with what its stock twin writes (the
-opt-in select: with its contract). Case N of seed S is drawn from seed
-S + N alone. One sync at the end."""
+"""The stage's self-check at the JIT warmup: every compiled kernel variant
+runs ``CASES`` cases of ``cases.py`` with the executor the stage would
+launch, each written buffer compared byte for byte with what its stock twin
+writes. Case N of seed S is drawn from seed S + N alone. One sync at the
+end."""
 
 import random
 

@@ -15,13 +15,12 @@ class KpoolLayerStep(Protocol):
     """One DSA layer's decode in a planned step."""
 
     # The step hands its pool top-k to the layer's index conversion; the
-    # indexer leaves its logical top-k rows, which no consumer reads, unfilled.
+    # indexer leaves its logical top-k rows unfilled.
     deferring: bool
 
     def update(self, *stock_args, round_scale: bool = True) -> None:
         """In place of ``kpool_decode_update_and_maybe_write_cache_batched(
         *stock_args, round_scale=round_scale)``."""
-        ...
 
     def decode_rows(
         self,
@@ -39,7 +38,6 @@ class KpoolLayerStep(Protocol):
     ) -> bool:
         """The decode rows from the scores on (into ``buffer``, or handed to
         the conversion); False: the indexer runs them stock."""
-        ...
 
 
 @runtime_checkable
@@ -57,4 +55,3 @@ class KpoolHook(Protocol):
     ) -> KpoolLayerStep | None:
         """The decode of ``layer``'s indexer in a planned step of the model
         that owns ``buffer`` (its top-k buffer), else None."""
-        ...

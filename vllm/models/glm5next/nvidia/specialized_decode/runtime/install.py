@@ -69,18 +69,11 @@ def install(vllm_config, attentions):
 
     max_rows = decode_capacity(vllm_config)
     buffer = attentions[0].indexer.topk_indices_buffer
-    stage = KpoolStage(
-        attentions,
-        max_rows,
-        buffer.device,
-        mx_scales=mqa_logits_use_mx_scales(),
-        select=config.select,
-        select_one_wave=config.select_one_wave,
-        scores=config.scores,
-        next_n=decode_next_n(vllm_config),
-        self_check=config.self_check,
-        seed=config.self_check_seed,
-    )
+    options = dict(mx_scales=mqa_logits_use_mx_scales(), select=config.select)
+    options |= dict(select_one_wave=config.select_one_wave, scores=config.scores)
+    options |= dict(next_n=decode_next_n(vllm_config), self_check=config.self_check)
+    options["seed"] = config.self_check_seed
+    stage = KpoolStage(attentions, max_rows, buffer.device, **options)
     registry().add(stage, buffer)
     stage.warmup.register()
     logger.info(

@@ -21,10 +21,9 @@ from ..cutedsl.common.host import Refused
 
 def group_converting_decodes() -> tuple:
     """The ``forward_mqa`` of the decode paths that convert the top-k of
-    decode-only steps through the index group, where a deferred top-k is
-    expanded: the shared sparse MLA decode (FlashInfer SM100; FlashAttention's
-    with patch 0005's flag), FlashMLA's, and FlashInfer SM90's with that flag.
-    Any other may read the logical rows a deferral leaves unset."""
+    decode-only steps through the index group (patch 0005's flag sends
+    FlashInfer SM90's and FlashAttention's there). Any other may read the
+    logical rows a deferral leaves unset."""
     from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 import (
         FlashInferMLASparseSM90Impl,
     )
@@ -77,9 +76,8 @@ class FusedRemap:
     top-k and remaps it in one kernel (``RemapKernel``), on the group's side
     stream as the stock conversion. Without a deferred top-k, or when the
     kernel declines it, the stock conversion runs (declined: on the logical
-    rows ``materialize`` writes first). One per group, and so per layer: it
-    holds its layer's hand-off, which a step fills (``hand_over``) and the
-    conversion empties."""
+    rows ``materialize`` writes first). It holds its layer's hand-off, which
+    a step fills (``hand_over``) and the conversion empties."""
 
     def __init__(self, group: SparseMLAIndexGroup, stage):
         self.group, self.stage = group, stage
@@ -87,8 +85,7 @@ class FusedRemap:
 
     def hand_over(self, deferred: Deferred) -> None:
         if self.pending is not None:
-            # Checked always (not an assert): under python -O a missed
-            # conversion would leave the logical rows unfilled.
+            # Not an assert: under python -O the logical rows stay unfilled.
             raise RuntimeError(
                 "GLM-5-Next kpool: a deferred top-k of this layer was not "
                 "converted before the next step deferred another; the sparse "
@@ -109,18 +106,12 @@ class FusedRemap:
         return_valid_counts: bool,
     ):
         pending, self.pending = self.pending, None
+        mapping = (req_ids, block_table, block_size)
         if pending is not None:
             if layer_index == 0:
                 stride = block_size if block_stride_rows is None else block_stride_rows
-                fused = self.fused(
-                    pending,
-                    logical.shape[0],
-                    req_ids,
-                    block_table,
-                    block_size,
-                    stride,
-                    return_valid_counts,
-                )
+                rows, counts = logical.shape[0], return_valid_counts
+                fused = self.fused(pending, rows, *mapping, stride, counts)
                 if fused is not None:
                     return fused
             # The stock conversion reads the logical rows: write them, and
@@ -128,44 +119,24 @@ class FusedRemap:
             # them; the side stream of the stock conversion waits on it).
             self.stage.materialize(pending, logical)
             self.group.set_logical_topk_ready(layer_index)
-        return stock(
-            layer_index,
-            logical,
-            req_ids,
-            block_table,
-            block_size,
-            block_stride_rows=block_stride_rows,
-            return_valid_counts=return_valid_counts,
-        )
+        flags = dict(block_stride_rows=block_stride_rows)
+        flags["return_valid_counts"] = return_valid_counts
+        return stock(layer_index, logical, *mapping, **flags)
 
     def fused(
-        self,
-        pending: Deferred,
-        rows: int,
-        req_ids,
-        block_table,
-        block_size: int,
-        stride_rows: int,
-        counts: bool,
+        self, pending, rows, req_ids, block_table, block_size, stride_rows, counts
     ):
         """The fused conversion's result, or None where the stage's remap
         does not take it (the caller converts stock)."""
         group = self.group
         if rows > group.physical_topk_indices.shape[0]:
             return None
-        arguments = dict(
-            pool_ids=pending.pool_ids,
-            positions=pending.positions,
-            pool_size=POOL,
-            req_ids=req_ids,
-            block_table=block_table,
-            out=group.physical_topk_indices[:rows],
-            counts=group.valid_topk_counts[:rows] if counts else None,
-            block_size=block_size,
-            stride_rows=stride_rows,
-            seq_offset=1,
-            int32_lengths=True,
-        )
+        arguments = dict(pool_ids=pending.pool_ids, positions=pending.positions)
+        arguments |= dict(pool_size=POOL, req_ids=req_ids, block_table=block_table)
+        arguments["out"] = group.physical_topk_indices[:rows]
+        arguments["counts"] = group.valid_topk_counts[:rows] if counts else None
+        arguments |= dict(block_size=block_size, stride_rows=stride_rows)
+        arguments |= dict(seq_offset=1, int32_lengths=True)
         # The kernel's call in its two halves (``kernel_launcher``'s): the
         # spec decides before the side stream is ordered, so that a refused
         # or unchecked key leaves the streams as stock's conversion finds them.

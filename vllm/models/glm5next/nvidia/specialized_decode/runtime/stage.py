@@ -73,11 +73,10 @@ class LayerStep:
         positions: torch.Tensor | None,
         buffer: torch.Tensor,
     ) -> bool:
-        """The stock decode from the scores on: DeepGEMM's paged scores (or
-        the opt-in scores: ``scores``), ``as_fp32_logits``, the pool top-k
-        (``get_indexer_topk``, or the opt-in select), then the expansion into
-        ``buffer`` or the hand-over to the layer's conversion. Rows that need
-        padding run stock (``decode_step`` never defers them)."""
+        """The stock decode from the scores on (``hook.KpoolLayerStep``): the
+        scores, ``as_fp32_logits``, the pool top-k (or the opt-in select),
+        then the expansion into ``buffer`` or the hand-over to the layer's
+        conversion. Rows that need padding run stock."""
         if decode.requires_padding or positions is None:
             return False
         next_n = q[0].shape[1]
@@ -99,39 +98,23 @@ class LayerStep:
         return True
 
     def scores(self, q, kv_cache, weights, seq_lens, decode, max_model_len: int):
-        """``fp8_fp4_paged_mqa_logits(q, kv_cache, weights, seq_lens,
-        decode.block_table, decode.schedule_metadata, max_model_len=
-        max_model_len, indices=decode.indices)``: where the deployment opted
-        in (``kpool_scores``) and the kernel takes the call, the opt-in
-        scores, whose rows hold DeepGEMM's logits below each entry's context
-        (all that the step reads of them), else DeepGEMM's."""
-        heads = self.stage.scores_heads
+        """DeepGEMM's ``fp8_fp4_paged_mqa_logits`` of the step, or where the
+        deployment opted in (``kpool_scores``) and the kernel takes the call,
+        the opt-in scores (DeepGEMM's logits below each entry's context, all
+        that the step reads of them)."""
+        heads, table = self.stage.scores_heads, decode.block_table
+        keywords = dict(max_model_len=max_model_len, indices=decode.indices)
         if heads is not None:
-            ours = (q, weights)
+            ours = dict(q=q, weights=weights)
             if heads < q[0].shape[2]:
                 # The real heads of vLLM's zero-padded ones (``served_heads``).
-                ours = ((q[0][:, :, :heads], q[1]), weights[:, :heads])
-            logits = self.stage.kernels.scores.serve(
-                q=ours[0],
-                kv_cache=kv_cache,
-                weights=ours[1],
-                seq_lens=seq_lens,
-                block_table=decode.block_table,
-                max_model_len=max_model_len,
-                indices=decode.indices,
-            )
+                ours = dict(q=(q[0][:, :, :heads], q[1]), weights=weights[:, :heads])
+            ours |= dict(kv_cache=kv_cache, seq_lens=seq_lens, block_table=table)
+            logits = self.stage.kernels.scores.serve(**ours, **keywords)
             if logits is not STOCK:
                 return logits
-        return fp8_fp4_paged_mqa_logits(
-            q,
-            kv_cache,
-            weights,
-            seq_lens,
-            decode.block_table,
-            decode.schedule_metadata,
-            max_model_len=max_model_len,
-            indices=decode.indices,
-        )
+        args = (q, kv_cache, weights, seq_lens, table, decode.schedule_metadata)
+        return fp8_fp4_paged_mqa_logits(*args, **keywords)
 
     def select_runs(self, rows: int, width: int, dtype: torch.dtype) -> bool:
         """Whether the step runs the opt-in select (rather than stock's
@@ -155,20 +138,13 @@ class LayerStep:
 
 class KpoolStage:
     """The kpool indexer decode kernels inside one engine's planned steps
-    (stage ``dsa_kpool``), reached from the stock indexer through
-    ``sparse_indexer.SPECIALIZED_KPOOL``.
-
-    It owns the engine's state: which steps are planned (``steps``), its
-    kernels, its warmup and the executors that warmup compiled and
-    self-checked (none before: no step is planned before), the scale format
-    read at install, the pool buffer deferring steps write, the opt-in
-    select's and scores' settings, the most query rows a decode request has
-    (``next_n``: the scores' keys) and each fused layer's ``FusedRemap``.
-    Where every DSA layer's index group can take one (``fuse``), the indexer
-    leaves its decode rows as pool ids and skips filling the logical top-k
-    buffer, which no consumer reads; else ``why_not_fused`` says why, per
-    layer.
-    """
+    (stage ``dsa_kpool``), reached through ``sparse_indexer.SPECIALIZED_KPOOL``.
+    It owns the engine's state: the planned ``steps``, its kernels, its
+    warmup and the executors that warmup compiled and self-checked (none
+    before: no step is planned), the pool buffer deferring steps write, and
+    each fused layer's ``FusedRemap``. Where every DSA layer's index group can
+    take one (``fuse``), the indexer leaves its decode rows as pool ids for
+    the conversion; else ``why_not_fused`` says why, per layer."""
 
     def __init__(
         self,
@@ -188,15 +164,12 @@ class KpoolStage:
         self.max_rows, self.mx_scales, self.select = max_rows, mx_scales, select
         self.select_one_wave = select and select_one_wave
         self.scores, self.next_n = scores, next_n
-        # The heads the opt-in scores compute of the indexer's (the layers'
-        # are alike): its real ones where vLLM pads them. None where the
-        # warmup lists no scores key (off, MX scales, heads it does not take):
-        # a step then calls DeepGEMM without asking the kernel's rule.
+        # The heads the opt-in scores compute (``served_heads``); None where
+        # the warmup lists no scores key: a step then calls DeepGEMM.
         fp32 = scores and not mx_scales
         heads = {attn.indexer.n_head for attn in attentions} if fp32 else set()
         self.scores_heads = served_heads(heads.pop()) if len(heads) == 1 else None
-        # The warmup's verdict: what it compiled and self-checked, replaced
-        # whole by each verdict (empty: the stage is off).
+        # The warmup's verdict, replaced whole by each (empty: off).
         self.executors: dict = {}
         self.kernels = StageKernels(
             UpdateKernel(self),
@@ -220,10 +193,7 @@ class KpoolStage:
         )
         impls = [attn.mla_attn.mla_attn.impl for attn in attentions]
         groups = [getattr(impl, "index_group", None) for impl in impls]
-        self.why_not_fused = [
-            why_not_fusable(impl, group)
-            for impl, group in zip(impls, groups, strict=True)
-        ]
+        self.why_not_fused = list(map(why_not_fusable, impls, groups))
         self.remaps: dict[str, FusedRemap] = {}
         if attentions and not any(self.why_not_fused):
             for attn, impl, group in zip(attentions, impls, groups, strict=True):
@@ -246,9 +216,8 @@ class KpoolStage:
         self.warmup.compiled(kernel, compile_keys)
 
     def checked(self, compile_key):
-        """The executor a step launches for ``compile_key``: the one in the
-        warmup's last passing verdict (``executors``), else None (stock
-        runs). Every launch of the stage asks here."""
+        """The executor of ``compile_key`` in the warmup's last passing
+        verdict, else None (stock runs). Every launch of the stage asks here."""
         return self.executors.get(compile_key)
 
     # --- Launches ---------------------------------------------------------
@@ -299,25 +268,18 @@ class KpoolStage:
         pool_size: int,
         buffer: torch.Tensor,
     ) -> LayerStep | None:
-        """``hook.KpoolHook.decode_step`` for this stage. The step defers its
-        pool top-k where its rows are the decode tokens in order (no
-        prefill, padding or short causal fill) of a fused layer, within the
-        stage's buffer and the remap's shapes."""
+        """``hook.KpoolHook.decode_step``. The step defers its pool top-k
+        where its rows are the decode tokens in order (no prefill, padding or
+        short causal fill) and ``defers`` says it can."""
         if not self.planned():
             return None
-        remap = None
+        remap, rows, width = None, metadata.num_decode_tokens, buffer.shape[1]
         if (
             metadata.num_prefills == 0
             and positions is not None
             and not metadata.decode.requires_padding
             and metadata.max_seq_len > topk_tokens
-            and self.defers(
-                layer,
-                metadata.num_decode_tokens,
-                topk_tokens // pool_size,
-                pool_size,
-                buffer.shape[1],
-            )
+            and self.defers(layer, rows, topk_tokens // pool_size, pool_size, width)
         ):
             remap = self.remaps[str(layer)]
         return LayerStep(self, remap)

@@ -12,9 +12,7 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadata
 
 # The attention metadata a planned step's layers may carry: the indexer's
-# (DSA layers, their tail caches) and MLA's (the sparse MLA backends' derive
-# from it). Any other type makes the step unplanned: the stage cannot tell
-# its prefills from its decodes.
+# and MLA's. Any other makes the step unplanned (its decodes are unknown).
 ACCEPTED_METADATA = (DeepseekV32IndexerMetadata, MLACommonMetadata)
 
 

@@ -99,8 +99,7 @@ def scores_values(stage, indexer, kv) -> list[tuple[Any, dict]]:
 def failed_ranks(failed: bool) -> tuple[list[int], int]:
     """(the tensor-parallel ranks whose warmup failed, the group's size),
     this rank's ``failed`` among them, gathered over the TP group's CPU group
-    (no device sync; every rank calls it once a stage); without a TP group,
-    rank 0 alone."""
+    (no device sync); without a TP group, rank 0 alone."""
     from vllm.distributed import get_tp_group, model_parallel_is_initialized
 
     if not model_parallel_is_initialized():
@@ -116,27 +115,20 @@ def failed_ranks(failed: bool) -> tuple[list[int], int]:
 
 class StageWarmup:
     """One stage's JIT warmup, in the model runner's registry: each of the
-    stage's kernels is an entry (``register``) whose keys are this warmup's
-    ``keys`` (from the deployment and the layers' bound caches, whose strides
-    ``vllm_config`` alone does not give), compiled before CUDA graph capture
-    (``compiled``) into the warmup's own table. Once every kernel with keys
-    compiled, the self-check (unless "off") runs each key on this GPU
-    against its stock twin, and the stage's executors become a copy of the
-    table only if every tensor-parallel rank passed, else none.
-
-    The verdict is the stage's, not each kernel's: a stage launches only
-    what its own warmup compiled and checked, one failing kernel turns the
-    stage off (stock, as a whole), and the ranks agree once. A later compile
-    (another ``compile_many``) goes into the table, never straight to the
-    stage, and takes a new verdict over the whole table."""
+    stage's kernels is an entry (``register``) whose ``keys`` come from the
+    deployment and the layers' bound caches, compiled before CUDA graph
+    capture (``compiled``) into the warmup's own table. Once every kernel
+    with keys compiled, the self-check (unless "off") runs each key against
+    its stock twin, and the stage's executors become a copy of the table
+    only if every tensor-parallel rank passed, else none: the verdict is the
+    stage's, not each kernel's. A later compile takes a new verdict over the
+    whole table."""
 
     def __init__(self, stage, attentions, self_check: str = "on", seed=None):
         self.stage, self.attentions = stage, list(attentions)
-        # The self-check's mode and seed (None: ``SEED``).
         self.self_check = self_check
         self.seed = SEED if seed is None else seed
-        # What this warmup compiled (key -> executor); the stage launches a
-        # copy once it passed.
+        # What this warmup compiled (key -> executor).
         self.executors: dict = {}
         self.done: set = set()
         # The stage's kernels that have keys (traced once, at the first
@@ -176,10 +168,8 @@ class StageWarmup:
     def finish(self) -> None:
         """Self-checks the compiled keys (unless "off"), then the TP ranks
         agree: the stage's executors become those keys' on every rank or
-        none on any, and each rank logs one line (a failing rank its own
-        failure, the others which ranks failed). "strict": a failure raises
-        on every rank, once the ranks agreed (so that none waits for one
-        that left)."""
+        none on any, and each rank logs one line. "strict": a failure raises
+        on every rank, once the ranks agreed."""
         executors, problem, error = dict(self.executors), None, self.error
         elapsed = 0.0
         if error is None and self.self_check != "off":

@@ -9,23 +9,21 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 from cutlass.cute.runtime import make_fake_tensor
 
 # Re-exported: every kernel's __call__ is kernel_launcher(spec).
 from vllm.model_executor.warmup.jit_warmup import kernel_launcher as kernel_launcher
-from vllm.model_executor.warmup.jit_warmup_cutedsl_helper import (
-    VllmCuTeDSLJitKernel,
-)
+from vllm.model_executor.warmup.jit_warmup_cutedsl_helper import VllmCuTeDSLJitKernel
 
-from ...constants import INT32_MAX, INT32_MIN
+from ...constants import INT32_MAX, INT32_MIN, POOL
 
 CompileKeyT = TypeVar("CompileKeyT")
 # The index dtypes the kernels read, as DSL integer types.
 INDEX_TYPES = {torch.int32: Int32, torch.int64: Int64}
 # The dtypes of the fake tensors a key compiles on, as DSL types.
 DSL_TYPES = INDEX_TYPES | {torch.bfloat16: BFloat16, torch.float32: Float32}
-DSL_TYPES[torch.uint8] = Uint8
+DSL_TYPES |= {torch.uint8: Uint8, torch.float8_e4m3fn: Float8E4M3FN}
 
 
 def fake(dtype: torch.dtype, shape: tuple, stride: tuple, align: int = 4):
@@ -82,6 +80,32 @@ def check_int32(name: str, value: Any) -> None:
         raise mismatch(name, "an int32", value)
 
 
+def check_int(name: str, value: Any, low: int, high: int, expected: str) -> None:
+    """``value`` is an int in ``[low, high]``, not a bool."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if not is_int or not low <= value <= high:
+        raise mismatch(name, expected, value)
+
+
+def check_pool_size(pool_size: Any) -> None:
+    if pool_size != POOL:
+        raise mismatch("pool_size", str(POOL), pool_size)
+
+
+def unit_columns(tensor, dtypes, row_multiple: int = 1, align: int = 1) -> bool:
+    """Whether ``tensor`` is a [rows, columns] tensor of ``dtypes`` with a
+    unit column stride, a row stride that is a multiple of ``row_multiple``
+    and data ``align``-byte aligned."""
+    stride = tensor.stride()
+    return (
+        tensor.dtype in dtypes
+        and len(stride) == 2
+        and stride[1] == 1
+        and stride[0] % row_multiple == 0
+        and tensor.data_ptr() % align == 0
+    )
+
+
 def check_pool_ids(pool_ids: torch.Tensor) -> None:
     # An empty tensor's strides say nothing (CUDA may give [0, 1] [1, 0]).
     unit = pool_ids.dim() == 2 and (pool_ids.stride(1) == 1 or not pool_ids.numel())
@@ -115,15 +139,11 @@ class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
     checks the arguments against the kernel's rule (raising ``Refused``) and
     returns ``(compile key, executor arguments or None where there is
     nothing to compute, output)``; ``__call__`` is ``kernel_launcher(spec)``.
-
-    The module's instance (``owner`` None) serves the public functions: it
+    The module's instance (``owner`` None) serves the public functions and
     compiles a missing key (never inside a CUDA graph capture). An owner's
-    instance (a stage's, ``KernelOwner``) launches only the executors its
-    owner's verdict holds (``checked``); for any other key, and for
-    arguments its rule refuses (``serve``), it launches nothing and returns
-    ``STOCK``: the caller runs the stock kernel. All instances of a kernel
-    share the compiled executors (a compile is a function of its key
-    alone)."""
+    instance (a stage's) launches only the executors its owner's verdict
+    holds (``checked``), else returns ``STOCK`` (``serve`` also on a refusal):
+    the caller runs the stock kernel. All instances share the executors."""
 
     compiled: dict
 

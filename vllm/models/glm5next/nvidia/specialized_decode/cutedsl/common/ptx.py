@@ -1,14 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Device helpers of the kpool decode kernels: inline PTX, memory access
-(global, shared and a cluster peer's shared memory), the order keys of FP32
-and BF16 bits, and a CTA-wide scan.
-
-Bit exactness with the stock Triton kernels depends on issuing the same PTX
-arithmetic, so every operation whose rounding matters is spelled out here as
-one inline-PTX instruction: LLVM can neither contract it into an FMA nor
-re-associate it.
-"""
+"""Device helpers of the kpool decode kernels: inline PTX (every operation
+whose rounding matters is one instruction, which LLVM can neither contract
+nor re-associate), memory access (global, shared and a cluster peer's
+shared memory), the order keys of FP32 and BF16 bits, a CTA-wide scan."""
 
 import functools
 

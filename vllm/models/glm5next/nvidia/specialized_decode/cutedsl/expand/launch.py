@@ -14,11 +14,13 @@ from ..common.host import (
     check_devices,
     check_int32,
     check_pool_ids,
+    check_pool_size,
     check_vector,
     fake,
     kernel_launcher,
     layout,
     mismatch,
+    unit_columns,
 )
 from .kernel import ExpandPools
 
@@ -29,19 +31,13 @@ def check(pool_ids, seq_lens, pool_size, seq_offset, out) -> None:
     if out is None:
         raise mismatch("out", "a tensor to write (the kernel does not allocate)", None)
     check_devices(("pool_ids", "seq_lens", "out"), pool_ids, seq_lens, out)
-    if pool_size != POOL:
-        raise mismatch("pool_size", str(POOL), pool_size)
+    check_pool_size(pool_size)
     check_pool_ids(pool_ids)
     rows, groups = pool_ids.shape
-    size, stride = out.shape, out.stride()
     if (
-        out.dtype is not torch.int32
-        or len(size) != 2
-        or size[0] != rows
-        or size[1] < groups * POOL + POOL - 1
-        or stride[1] != 1
-        or stride[0] % 4
-        or out.data_ptr() % 16
+        not unit_columns(out, (torch.int32,), 4, 16)
+        or out.shape[0] != rows
+        or out.shape[1] < groups * POOL + POOL - 1
     ):
         expected = "int32 [rows, >= pools * 4 + 3], unit column stride, 16-byte "
         raise mismatch("out", expected + "aligned rows", layout(out))

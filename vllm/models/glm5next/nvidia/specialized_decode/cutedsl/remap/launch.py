@@ -13,13 +13,16 @@ from ..common.host import (
     KpoolKernel,
     Refused,
     check_devices,
+    check_int,
     check_int32,
     check_pool_ids,
+    check_pool_size,
     check_vector,
     fake,
     kernel_launcher,
     layout,
     mismatch,
+    unit_columns,
 )
 from .kernel import ExpandRemap
 
@@ -38,8 +41,7 @@ def stock_compacts_in_order(width: int) -> bool:
 def check_shape(groups: int, width: int, pool_size: int, counts: bool) -> None:
     """What ``ExpandRemap`` takes of ``groups`` pools in rows of ``width``
     columns (raises ``Refused``): the stage asks it before a step defers."""
-    if pool_size != POOL:
-        raise mismatch("pool_size", str(POOL), pool_size)
+    check_pool_size(pool_size)
     if groups % 32 or not 32 <= groups <= MAX_GROUPS:
         expected = f"a multiple of 32 pools, at most {MAX_GROUPS}"
         raise mismatch("pool_ids", expected, groups)
@@ -55,12 +57,10 @@ def check_blocks(block_size, stride_rows) -> None:
     """What ``ExpandRemap`` takes of an MLA KV cache's layout (raises
     ``Refused``): its block arithmetic is int32 (``block_size`` is a power
     of two or a multiple of 4 that the MLA cache takes)."""
-    if (
-        not isinstance(block_size, int)
-        or block_size % POOL
-        or not 0 < block_size <= INT32_MAX
-    ):
-        raise mismatch("block_size", "a positive int32 multiple of 4", block_size)
+    expected = "a positive int32 multiple of 4"
+    check_int("block_size", block_size, 1, INT32_MAX, expected)
+    if block_size % POOL:
+        raise mismatch("block_size", expected, block_size)
     check_int32("stride_rows", stride_rows)
 
 
@@ -91,16 +91,9 @@ def check(
     seq_offset,
 ) -> None:
     """``RemapKernel``'s rule (raises ``Refused``)."""
-    check_devices(
-        ("pool_ids", "positions", "req_ids", "block_table", "out", "counts"),
-        pool_ids,
-        positions,
-        req_ids,
-        block_table,
-        out,
-        counts,
-        optional=("counts",),
-    )
+    names = ("pool_ids", "positions", "req_ids", "block_table", "out", "counts")
+    tensors = (pool_ids, positions, req_ids, block_table, out, counts)
+    check_devices(names, *tensors, optional=("counts",))
     check_pool_ids(pool_ids)
     if req_ids.dtype is not torch.int32 or req_ids.stride() != (1,):
         raise mismatch("req_ids", "int32 [rows], unit stride", layout(req_ids))
@@ -120,8 +113,7 @@ def check(
     if counts is not None:
         expected = "int32 [>= rows of req_ids], unit stride"
         check_vector("counts", counts, rows, expected, (torch.int32,))
-    blocks = block_table.stride()
-    if block_table.dtype is not torch.int32 or len(blocks) != 2 or blocks[1] != 1:
+    if not unit_columns(block_table, (torch.int32,)):
         expected = "int32 [requests, blocks], unit column stride"
         raise mismatch("block_table", expected, layout(block_table))
     if pool_ids.shape[0] > rows:

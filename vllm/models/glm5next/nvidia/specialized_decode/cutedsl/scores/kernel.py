@@ -29,20 +29,14 @@ with the FP32 rounding of DeepGEMM's SM90 kernel, step for step:
 - 16 heads: as vLLM's padding of them to 32 zero heads for DeepGEMM (the
   stage hands the kernel a view of the 16 real heads of the padded query).
 
-Columns at or past ``ctx`` (or the row width) are not written (DeepGEMM
-writes up to the next multiple of 64 values nobody reads).
+Columns at or past ``ctx`` (or the row width) are not written. Each
+arithmetic step is one inline-PTX instruction, so LLVM neither contracts
+nor re-associates it.
 
-Each arithmetic step is one inline-PTX instruction, so LLVM neither
-contracts nor re-associates it.
-
-CTA ``(split, b)`` takes the contiguous tiles ``[split * per, (split + 1) *
-per)`` of entry ``b``'s ``ceil(ctx / 64)`` tiles (``per = ceil(tiles /
-splits)``). A producer warp copies the query a (heads, DIM) slab a query
-row (its own strides), then reads the block table and issues each tile's
-TMA copies (the page's FP8 rows, 128-byte swizzled, and its FP32 scales)
-into ``STAGES`` stages, refilling a stage once the consumers released it;
-the consumer warpgroup runs each tile's wgmma, releases the stage and runs
-the epilogue, never waiting on the producer's issue.
+CTA ``(split, b)`` takes a contiguous share of entry ``b``'s tiles: a
+producer warp issues their TMA copies into ``STAGES`` stages, the consumer
+warpgroup runs each tile's wgmma and epilogue (docs/performance.md, "Our
+scores").
 """
 
 import cuda.bindings.driver as cuda
@@ -176,16 +170,7 @@ class KpoolScores:
             g2s, m_scale, cute.select(scale_layout, mode=[0]), (self.block,)
         )
         self.kernel(
-            tma_q,
-            g_q,
-            tma_k,
-            g_k,
-            tma_s,
-            g_s,
-            weights,
-            seq_lens,
-            block_table,
-            logits,
+            tma_q, g_q, tma_k, g_k, tma_s, g_s, weights, seq_lens, block_table, logits
         ).launch(
             grid=(splits, entries, 1),
             block=(THREADS, 1, 1),
@@ -466,15 +451,7 @@ class KpoolScores:
             # reads above): the producer refills it once all have arrived.
             cute.arch.mbarrier_arrive(bars + STAGES + stage)
             self.epilogue(
-                acc,
-                s_w,
-                weights,
-                scale0,
-                scale1,
-                logits,
-                entry,
-                t * TILE + r0,
-                ctx,
+                acc, s_w, weights, scale0, scale1, logits, entry, t * TILE + r0, ctx
             )
 
     def thread_weights(self, s_w):

@@ -8,13 +8,20 @@ from dataclasses import dataclass
 
 import cutlass.cute as cute
 import torch
-from cutlass import Float8E4M3FN, Float32, Int32, Uint8
-from cutlass.cute.runtime import make_fake_tensor
-
-from vllm.model_executor.warmup.jit_warmup import kernel_launcher
+from cutlass import Int32
 
 from ...constants import DIM
-from ..common.host import KpoolKernel, check_devices, layout, mismatch, sm_count
+from ..common.host import (
+    KpoolKernel,
+    check_devices,
+    check_int,
+    fake,
+    kernel_launcher,
+    layout,
+    mismatch,
+    sm_count,
+    unit_columns,
+)
 from .kernel import TILE, KpoolScores
 
 HEADS = (16, 32, 64)
@@ -22,23 +29,18 @@ NEXT_N = (1, 2, 3, 4)
 BLOCKS = (32, 64)
 # DeepGEMM's logits row stride: the width rounded up to 256 columns.
 ROW_ALIGN = 256
-# CTAs a step aims at, per SM: an entry's tiles are split over
-# ceil(ctas * sms / entries) CTAs, so that one entry keeps every SM reading.
-# Four where the step has few tiles (at most FEW_TILES a SM), so that more
-# CTAs hide each one's start (its block table, query and weights); else two,
-# since more concurrent streams an SM read a large cache slower
-# (docs/performance.md, "Our scores").
+# CTAs a step aims at, per SM (``splits_for``): four where the step has few
+# tiles (at most FEW_TILES a SM), to hide each CTA's start; else two, since
+# more concurrent streams an SM read a large cache slower.
 CTAS_PER_SM, CTAS_PER_SM_FEW, FEW_TILES = 2, 4, 16
 
 
 def served_heads(index_heads: int) -> int | None:
     """The heads the kernel scores for an indexer of ``index_heads`` query
-    heads, which vLLM zero-pads (query and weights) to 32 for DeepGEMM where
-    fewer (``models/glm5next/common/attention.py``): the real ones where the
-    kernel takes that many (its call takes a view of the padded query: the
-    zero heads add nothing to a logit but the sign of a zero, which the
-    kernel keeps as they would), else the padded count; None where it takes
-    neither."""
+    heads, which vLLM zero-pads to 32 for DeepGEMM: the real ones where the
+    kernel takes that many (a view of the padded query: the zero heads add
+    nothing but the sign of a zero, which the kernel keeps), else the padded
+    count; None where it takes neither."""
     if index_heads in HEADS:
         return index_heads
     padded = max(index_heads, 32)
@@ -46,7 +48,8 @@ def served_heads(index_heads: int) -> int | None:
 
 
 def splits_for(entries: int, width: int, sms: int) -> int:
-    """The CTAs an entry's tiles (of a ``width``-pool row) are split over."""
+    """The CTAs an entry's tiles (of a ``width``-pool row) are split over:
+    ``ceil(ctas * sms / entries)``, so that one entry keeps every SM reading."""
     tiles = -(-width // TILE)
     few = entries * tiles <= FEW_TILES * sms
     ctas = CTAS_PER_SM_FEW if few else CTAS_PER_SM
@@ -58,37 +61,21 @@ def row_stride(width: int) -> int:
 
 
 def check(
-    q,
-    kv_cache,
-    weights,
-    seq_lens,
-    block_table,
-    max_model_len,
-    out,
-    indices=None,
-) -> None:
+    q, kv_cache, weights, seq_lens, block_table, max_model_len, out, indices=None
+):
     """What ``KpoolScores`` takes (raises ``Refused``)."""
     if indices is not None:
-        raise mismatch(
-            "indices",
-            "None (SM90's batched decode; the varlen form is SM100's)",
-            layout(indices) if isinstance(indices, torch.Tensor) else indices,
-        )
+        got = layout(indices) if isinstance(indices, torch.Tensor) else indices
+        expected = "None (SM90's batched decode; the varlen form is SM100's)"
+        raise mismatch("indices", expected, got)
     if not isinstance(q, tuple) or len(q) != 2:
         raise mismatch("q", "a (values, scales) tuple", type(q).__name__)
     values, scales = q
     if scales is not None:
         raise mismatch("q", "no query scales (SM90 folds them into weights)", scales)
-    check_devices(
-        ("q", "kv_cache", "weights", "seq_lens", "block_table", "out"),
-        values,
-        kv_cache,
-        weights,
-        seq_lens,
-        block_table,
-        out,
-        optional=("out",),
-    )
+    names = ("q", "kv_cache", "weights", "seq_lens", "block_table", "out")
+    tensors = (values, kv_cache, weights, seq_lens, block_table, out)
+    check_devices(names, *tensors, optional=("out",))
     if (
         values.dtype != torch.float8_e4m3fn
         or values.dim() != 4
@@ -99,13 +86,10 @@ def check(
         or any(s <= 0 or s % 16 for s in values.stride()[:2])
         or values.data_ptr() % 16
     ):
-        raise mismatch(
-            "q",
-            f"fp8 e4m3 [entries, next_n in {NEXT_N}, heads in {HEADS}, {DIM}], "
-            "its heads' rows consecutive, entries and next_n strides positive "
-            "multiples of 16, 16-byte aligned",
-            layout(values),
-        )
+        expected = f"fp8 e4m3 [entries, next_n in {NEXT_N}, heads in {HEADS}, {DIM}], "
+        expected += "its heads' rows consecutive, entries and next_n strides positive "
+        expected += "multiples of 16, 16-byte aligned"
+        raise mismatch("q", expected, layout(values))
     entries, next_n, heads, _ = values.shape
     if (
         kv_cache.dtype != torch.uint8
@@ -118,66 +102,34 @@ def check(
         or kv_cache.stride(0) < kv_cache.shape[1] * (DIM + 4)
         or kv_cache.data_ptr() % 16
     ):
-        raise mismatch(
-            "kv_cache",
-            f"uint8 [blocks, block in {BLOCKS}, 1, {DIM + 4}], dense pages "
-            "(FP8 rows then FP32 scales) of a 16-byte multiple, 16-byte aligned",
-            layout(kv_cache),
-        )
-    if (
-        weights.dtype != torch.float32
-        or tuple(weights.shape) != (entries * next_n, heads)
-        or weights.stride(1) != 1
-    ):
-        raise mismatch(
-            "weights",
-            f"fp32 [entries * next_n = {entries * next_n}, heads = {heads}], "
-            "unit column stride",
-            layout(weights),
-        )
+        expected = f"uint8 [blocks, block in {BLOCKS}, 1, {DIM + 4}], dense pages "
+        expected += "(FP8 rows then FP32 scales) of a 16-byte multiple, 16-byte aligned"
+        raise mismatch("kv_cache", expected, layout(kv_cache))
+    rows = entries * next_n
+    if not unit_columns(weights, (torch.float32,)) or weights.shape != (rows, heads):
+        expected = f"fp32 [entries * next_n = {rows}, heads = {heads}], unit column "
+        raise mismatch("weights", expected + "stride", layout(weights))
     if (
         seq_lens.dtype != torch.int32
         or tuple(seq_lens.shape) != (entries, next_n)
         or not seq_lens.is_contiguous()
     ):
-        raise mismatch(
-            "seq_lens",
-            f"contiguous int32 [entries = {entries}, next_n = {next_n}]",
-            layout(seq_lens),
-        )
-    if (
-        block_table.dtype != torch.int32
-        or block_table.dim() != 2
-        or block_table.shape[0] != entries
-        or block_table.stride(1) != 1
-    ):
-        raise mismatch(
-            "block_table",
-            f"int32 [entries = {entries}, max_blocks], unit column stride",
-            layout(block_table),
-        )
-    if (
-        not isinstance(max_model_len, int)
-        or isinstance(max_model_len, bool)
-        or not 1 <= max_model_len < 2**31 - TILE
-    ):
-        raise mismatch(
-            "max_model_len",
-            f"an int in [1, {2**31 - TILE}) (not a bool)",
-            max_model_len,
-        )
+        expected = f"contiguous int32 [entries = {entries}, next_n = {next_n}]"
+        raise mismatch("seq_lens", expected, layout(seq_lens))
+    if not unit_columns(block_table, (torch.int32,)) or block_table.shape[0] != entries:
+        expected = f"int32 [entries = {entries}, max_blocks], unit column stride"
+        raise mismatch("block_table", expected, layout(block_table))
+    limit = 2**31 - TILE
+    expected = f"an int in [1, {limit}) (not a bool)"
+    check_int("max_model_len", max_model_len, 1, limit - 1, expected)
     if out is not None and (
-        out.dtype != torch.float32
-        or tuple(out.shape) != (entries * next_n, max_model_len)
-        or out.stride(1) != 1
+        tuple(out.shape) != (rows, max_model_len)
+        or not unit_columns(out, (torch.float32,))
         or out.stride(0) < max_model_len
     ):
-        raise mismatch(
-            "out",
-            f"fp32 [entries * next_n = {entries * next_n}, max_model_len = "
-            f"{max_model_len}], unit column stride, rows apart by the width or more",
-            layout(out),
-        )
+        expected = f"fp32 [entries * next_n = {rows}, max_model_len = {max_model_len}]"
+        expected += ", unit column stride, rows apart by the width or more"
+        raise mismatch("out", expected, layout(out))
 
 
 class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
@@ -234,34 +186,17 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
         # Row strides of the query's entries and next_n: its own (a view of
         # vLLM's padded heads, or contiguous).
         rows = (cute.sym_int64(divisibility=16), cute.sym_int64(divisibility=16))
-        q = make_fake_tensor(
-            Float8E4M3FN,
-            (entries, next_n, heads, DIM),
-            (*rows, DIM, 1),
-            assumed_align=16,
-        )
-        kv = make_fake_tensor(
-            Uint8,
-            (cute.sym_int(), block, 1, DIM + 4),
-            (cute.sym_int64(divisibility=16), DIM + 4, DIM + 4, 1),
-            assumed_align=16,
-        )
-        weights = make_fake_tensor(
-            Float32, (cute.sym_int(), heads), (cute.sym_int64(), 1), assumed_align=4
-        )
-        seq_lens = make_fake_tensor(
-            Int32, (entries, next_n), (next_n, 1), assumed_align=4
-        )
-        block_table = make_fake_tensor(
-            Int32, (entries, cute.sym_int()), (cute.sym_int64(), 1), assumed_align=4
-        )
-        logits = make_fake_tensor(
-            Float32,
-            (cute.sym_int(), cute.sym_int()),
-            (cute.sym_int64(), 1),
-            assumed_align=4,
-        )
-        return q, kv, weights, seq_lens, block_table, logits, Int32(1)
+        shape = (entries, next_n, heads, DIM)
+        q = fake(torch.float8_e4m3fn, shape, (*rows, DIM, 1), 16)
+        shape = (cute.sym_int(), block, 1, DIM + 4)
+        stride = (cute.sym_int64(divisibility=16), DIM + 4, DIM + 4, 1)
+        kv = fake(torch.uint8, shape, stride, 16)
+        weights = fake(torch.float32, (cute.sym_int(), heads), (cute.sym_int64(), 1))
+        seq_lens = fake(torch.int32, (entries, next_n), (next_n, 1))
+        table = fake(torch.int32, (entries, cute.sym_int()), (cute.sym_int64(), 1))
+        shape = (cute.sym_int(), cute.sym_int())
+        logits = fake(torch.float32, shape, (cute.sym_int64(), 1))
+        return q, kv, weights, seq_lens, table, logits, Int32(1)
 
 
 SCORES = ScoresKernel()

@@ -2,17 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The pool top-k ("select"), ``SelectKernel``'s device code (its contract
 is that class's docstring; docs/select-contract.md, "The select", is the
-design and its measurements).
-
-A cluster of ``C`` CTAs selects one row, CTA ``rank`` reading its slice of
-the valid columns once into shared memory as order keys. Radix passes of
-8-bit digits (4 for FP32, 2 for BF16) count each CTA's matching keys into
-its histogram (pass 0 while loading); after one cluster barrier a pass,
-every CTA sums the ``C`` histograms through distributed shared memory, and
-with them the bins of the ranks before its own, which place its
-compaction with no further barrier. The passes end early where the set is
-known (a bin taken whole on FP32; a threshold of +0.0); a row that fits
-``ALONE_KEYS`` is selected by CTA 0 alone, with CTA barriers.
+design: a cluster of CTAs a row, each holding its slice as order keys in
+shared memory, radix passes summed over distributed shared memory, passes
+that end early where the set is known, short rows on CTA 0 alone).
 """
 
 import cuda.bindings.driver as cuda

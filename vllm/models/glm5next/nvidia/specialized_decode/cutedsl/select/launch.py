@@ -14,12 +14,14 @@ from vllm.model_executor.warmup.jit_warmup import WarmupIntRange
 from ..common.host import (
     KpoolKernel,
     check_devices,
+    check_int,
     check_vector,
     fake,
     kernel_launcher,
     layout,
     mismatch,
     sm_count,
+    unit_columns,
 )
 from .kernel import CAPACITIES, VECTOR, SelectTopk, ctas_per_sm
 
@@ -49,9 +51,7 @@ def slice_capacity(width: int, dtype: torch.dtype, cluster: int) -> int:
 def cluster_for(rows: int, width: int, dtype: torch.dtype, sms: int) -> int | None:
     """The CTAs a row takes: the most that keep the rows' CTAs within half
     of ``sms`` and the slices at least ``MIN_SLICE`` keys, else the fewest
-    whose slices fit in shared memory; None where none do. (H200 sweeps
-    chose these bounds: at 32 rows of 65536 pools 2 CTAs a row beat 4, at 1
-    row of 16384 4 beat 2, at 1 row of 65536 8 beat 16.)"""
+    whose slices fit in shared memory; None where none do."""
     fits = [c for c in CLUSTERS if slice_capacity(width, dtype, c)]
     if not fits:
         return None
@@ -84,17 +84,8 @@ def in_one_wave(rows, width, dtype, sms):
 def check(logits, ends, k, out) -> None:
     """What ``SelectTopk`` takes (raises ``Refused``)."""
     check_devices(("logits", "ends", "out"), logits, ends, out, optional=("out",))
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
-        raise mismatch("k", f"an int in [1, {MAX_K}]", k)
-    stride = logits.stride()
-    vector = VECTOR.get(logits.dtype)
-    if (
-        vector is None
-        or len(stride) != 2
-        or stride[1] != 1
-        or stride[0] % vector
-        or logits.data_ptr() % 16
-    ):
+    check_int("k", k, 1, MAX_K, f"an int in [1, {MAX_K}]")
+    if not unit_columns(logits, VECTOR, VECTOR.get(logits.dtype, 1), 16):
         expected = "fp32/bf16 [rows, width], unit column stride, 16-byte aligned rows"
         raise mismatch("logits", expected, layout(logits))
     if not slice_capacity(logits.shape[1], logits.dtype, CLUSTERS[-1]):
@@ -105,9 +96,7 @@ def check(logits, ends, k, out) -> None:
     expected = "int32 [>= rows of logits], unit stride"
     check_vector("ends", ends, rows, expected, (torch.int32,))
     if out is not None and (
-        out.dtype is not torch.int32
-        or tuple(out.shape) != (rows, k)
-        or out.stride(1) != 1
+        tuple(out.shape) != (rows, k) or not unit_columns(out, (torch.int32,))
     ):
         expected = f"int32 [rows of logits, k = {k}], unit column stride"
         raise mismatch("out", expected, layout(out))
@@ -117,17 +106,16 @@ class SelectKernel(KpoolKernel["SelectKernel.CompileKey"]):
     """``get_indexer_topk(backend)(logits, lengths, next_n, out, k,
     max_seq_len)`` of GLM-5-Next's decode (vLLM's ``cooperative_topk`` /
     ``persistent_topk``) with the same set in a stated order and tie choice
-    (stock's are its atomics'; docs/select-contract.md compares them), into
-    ``out`` (None: a new int32 [rows, k] tensor). Row ``r`` reads its valid
-    columns ``[0, clamp(ends[r], 0, width))`` only, ordered by stock's
-    refining key (``convert_to_uint32_v2``: IEEE totalOrder, ``-NaN < -inf <
-    ... < -0.0 < +0.0 < ... < +NaN``; BF16 by the 16-bit key of its exact
-    upcast, so no upcast). ``end <= k``: ``0, ..., end - 1, -1, ...``
-    (stock's bytes); else the keys above the ``k``-th largest ``T`` and the
-    lowest columns equal to ``T``, in ascending column order. One compile
-    key per ``k``, logits dtype, cluster size (``cluster_for`` the rows and
-    width on the device's SMs) and shared key capacity
-    (``slice_capacity``)."""
+    (docs/select-contract.md compares them with stock's), into ``out``
+    (None: a new int32 [rows, k] tensor). Row ``r`` reads its valid columns
+    ``[0, clamp(ends[r], 0, width))`` only, ordered by stock's refining key
+    (``convert_to_uint32_v2``: IEEE totalOrder, ``-NaN < -inf < ... < -0.0 <
+    +0.0 < ... < +NaN``; BF16 by the 16-bit key of its exact upcast, so no
+    upcast). ``end <= k``: ``0, ..., end - 1, -1, ...`` (stock's bytes); else
+    the keys above the ``k``-th largest ``T`` and the lowest columns equal to
+    ``T``, in ascending column order. One compile key per ``k``, logits
+    dtype, cluster size (``cluster_for`` the rows and width on the device's
+    SMs) and shared key capacity (``slice_capacity``)."""
 
     @dataclass(frozen=True)
     class CompileKey:

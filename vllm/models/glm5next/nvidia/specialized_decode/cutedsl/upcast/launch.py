@@ -15,36 +15,25 @@ from ..common.host import (
     kernel_launcher,
     layout,
     mismatch,
+    unit_columns,
 )
 from .kernel import CTAS, UpcastLogits
 
 
-def check(logits, row_ends, out) -> None:
+def check(logits, ends, out) -> None:
     """What ``UpcastLogits`` takes of ``as_fp32_logits``'s arguments and an
     ``out`` to write (raises ``Refused``)."""
-    check_devices(
-        ("logits", "row_ends", "out"), logits, row_ends, out, optional=("out",)
-    )
-    stride = logits.stride()
-    if (
-        logits.dtype != torch.bfloat16
-        or len(stride) != 2
-        or stride[1] != 1
-        or stride[0] % 8
-        or logits.data_ptr() % 16
-    ):
+    check_devices(("logits", "row_ends", "out"), logits, ends, out, optional=("out",))
+    if not unit_columns(logits, (torch.bfloat16,), 8, 16):
         expected = "bf16 [rows, width], unit column stride, 16-byte aligned rows"
         raise mismatch("logits", expected, layout(logits))
-    if (
-        row_ends.dtype != torch.int32
-        or row_ends.stride() != (1,)
-        or row_ends.shape[0] != logits.shape[0]
-    ):
+    rows = logits.shape[0]
+    if ends.dtype != torch.int32 or ends.stride() != (1,) or ends.shape[0] != rows:
         expected = "int32 [rows of logits], unit stride"
-        raise mismatch("row_ends", expected, layout(row_ends))
+        raise mismatch("row_ends", expected, layout(ends))
     if out is not None and (
         out.dtype != torch.float32
-        or out.stride() != stride
+        or out.stride() != logits.stride()
         or out.shape != logits.shape
         or out.data_ptr() % 16
     ):

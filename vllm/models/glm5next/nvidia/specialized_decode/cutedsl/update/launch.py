@@ -12,6 +12,7 @@ from ..common.host import (
     INDEX_TYPES,
     KpoolKernel,
     check_devices,
+    check_pool_size,
     fake,
     kernel_launcher,
     layout,
@@ -19,16 +20,9 @@ from ..common.host import (
 )
 from .kernel import KpoolUpdate
 
-TENSORS = (
-    "kv_cache",
-    "tail_kv_cache",
-    "tail_slot_mapping",
-    "key",
-    "slot_score",
-    "ape",
-    "slot_mapping",
-    "positions",
-)
+# The tensor arguments, in order.
+TENSORS = ("kv_cache", "tail_kv_cache", "tail_slot_mapping", "key", "slot_score")
+TENSORS += ("ape", "slot_mapping", "positions")
 
 
 def check(tensors: tuple, pool_size, head_dim) -> None:
@@ -39,8 +33,7 @@ def check(tensors: tuple, pool_size, head_dim) -> None:
     slot_mapping, positions = tensors[6:]
     if head_dim != DIM:
         raise mismatch("head_dim", str(DIM), head_dim)
-    if pool_size != POOL:
-        raise mismatch("pool_size", str(POOL), pool_size)
+    check_pool_size(pool_size)
     cache = kv_cache.stride()
     if (
         kv_cache.dtype is not torch.uint8
@@ -138,29 +131,16 @@ class UpdateKernel(KpoolKernel["UpdateKernel.CompileKey"]):
         mx_scales: bool,
         round_scale: bool = True,
     ):
-        tensors = (
-            kv_cache,
-            tail_kv_cache,
-            tail_slot_mapping,
-            key,
-            slot_score,
-            ape,
-            slot_mapping,
-            positions,
-        )
+        tensors = (kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape)
+        tensors += (slot_mapping, positions)
         check(tensors, pool_size, head_dim)
-        compile_key = self.dispatch(
-            ring=tail_kv_cache.shape[2],
-            page=kv_cache.shape[1],
-            page_bytes=kv_cache.stride(0),
-            tail_block=tail_kv_cache.stride(0),
-            tail_half=tail_kv_cache.stride(1),
-            mx_scales=bool(mx_scales),
-            round_scale=bool(round_scale),
-            tail_slots_dtype=tail_slot_mapping.dtype,
-            slots_dtype=slot_mapping.dtype,
-            positions_dtype=positions.dtype,
-        )
+        tail = tail_kv_cache
+        fields = dict(ring=tail.shape[2], page=kv_cache.shape[1])
+        fields |= dict(page_bytes=kv_cache.stride(0), tail_block=tail.stride(0))
+        fields |= dict(tail_half=tail.stride(1), mx_scales=bool(mx_scales))
+        fields |= dict(round_scale=bool(round_scale), positions_dtype=positions.dtype)
+        fields |= dict(tail_slots_dtype=tail_slot_mapping.dtype)
+        compile_key = self.dispatch(**fields, slots_dtype=slot_mapping.dtype)
         requests, tokens = key.shape[:2]
         return compile_key, tensors if requests and tokens else None, None
 
