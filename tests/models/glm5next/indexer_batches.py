@@ -14,7 +14,7 @@ their ``q_len`` and capture-time ``max_seq_len``."""
 import contextlib
 import random
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
+from types import SimpleNamespace as NS
 from unittest import mock
 
 import torch
@@ -32,7 +32,7 @@ if VLLM_BUILDERS:
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.kv_cache_interface import CircularBufferSpec, MLAAttentionSpec
 else:
-    CommonAttentionMetadata = SimpleNamespace
+    CommonAttentionMetadata = NS
 
 POOL, D = 4, 128
 
@@ -113,7 +113,6 @@ class Workload:
 
 @dataclass
 class Request:
-    rid: int
     prompt: int
     output: int
     tail: int
@@ -137,12 +136,11 @@ class Batch:
     num_decodes: int  # leading decode-class requests (q_len <= next_n)
     tokens = property(lambda b: sum(i.q_len for i in b.items))
     uniform = property(lambda b: len({i.q_len for i in b.items[: b.num_decodes]}) < 2)
+    kind = property(lambda b: kind_of(b.num_decodes, len(b.items)))
 
-    @property
-    def kind(self) -> str:
-        if self.num_decodes == len(self.items):
-            return "decode"
-        return "mixed" if self.num_decodes else "prefill"
+
+def kind_of(decodes: int, requests: int) -> str:
+    return "decode" if decodes == requests else "mixed" if decodes else "prefill"
 
 
 class Scheduler:
@@ -159,8 +157,7 @@ class Scheduler:
 
     def request(self, prompt: int, output: int, cached: int = 0) -> Request:
         self.rids += 1
-        tail = self.free_tails.pop()
-        return Request(self.rids - 1, prompt, output, tail, min(cached, prompt - 1))
+        return Request(prompt, output, self.free_tails.pop(), min(cached, prompt - 1))
 
     def schedule(self) -> Batch:
         """New arrivals, then the next step's requests, decode-class first."""
@@ -266,35 +263,26 @@ class Builder:
         self.query_start, self.seq_lens, self.req_ids = buf(r + 1), buf(r), buf(t)
         self.block_table, self.tail_table = buf(r, blocks), buf(r, 1)
         # Where ``laid`` puts what the builders keep in their own buffers.
-        self.out = SimpleNamespace(
-            slots=buf(t, dtype=torch.int64),
-            tail=buf(t, dtype=torch.int64),
-            seq=buf(t),
-            lens=buf(t),
-            per_req=buf(t),
-            indices=buf(t),
-            table=buf(t, blocks),
-            schedule=buf(1),
-        )
+        ints = {name: buf(t) for name in ("seq", "lens", "per_req", "indices")}
+        longs = {name: buf(t, dtype=torch.int64) for name in ("slots", "tail")}
+        self.out = NS(**ints, **longs, table=buf(t, blocks), schedule=buf(1))
         if not VLLM_BUILDERS:
             return
-        ns = SimpleNamespace
-        config = ns(
-            scheduler_config=ns(max_num_batched_tokens=t, max_num_seqs=r),
-            parallel_config=ns(
-                decode_context_parallel_size=1,
-                tensor_parallel_size=1,
-                prefill_context_parallel_size=1,
+        parallel = ("decode_context", "tensor", "prefill_context")
+        config = NS(
+            scheduler_config=NS(max_num_batched_tokens=t, max_num_seqs=r),
+            parallel_config=NS(
+                **{f"{name}_parallel_size": 1 for name in parallel},
                 cp_kv_cache_interleave_size=1,
             ),
-            speculative_config=ns(
+            speculative_config=NS(
                 num_speculative_tokens=geo.spec,
                 enable_adaptive_verification=backend.nonuniform == "flat",
             ),
             num_speculative_tokens=geo.spec,
-            model_config=ns(max_model_len=geo.max_model_len),
-            compilation_config=ns(cudagraph_mode=None),
-            attention_config=ns(
+            model_config=NS(max_model_len=geo.max_model_len),
+            compilation_config=NS(cudagraph_mode=None),
+            attention_config=NS(
                 sparse_mla_prefill_workspace_factor=5,
                 resolve_indexer_kv_dtype=lambda default: default,
             ),
@@ -314,20 +302,19 @@ class Builder:
             dtype=torch.bfloat16,
             dcp_sharded=False,
         )
-        names = list(zip(*geo.prefixes, strict=True))
+        names = [list(n) for n in zip(*geo.prefixes, strict=True)]
         with self.platform():
             self.indexer = meta.DeepseekV32IndexerMetadataBuilder(
-                spec, list(names[0]), config, self.device, block_table_width=blocks
+                spec, names[0], config, self.device, block_table_width=blocks
             )
             self.tail = meta.KpoolTailMetadataBuilder(
-                tail, list(names[1]), config, self.device
+                tail, names[1], config, self.device
             )
 
     @contextlib.contextmanager
     def platform(self):
         """The builders' platform answers for the backend path."""
-        varlen, padded = self.backend.varlen, self.backend.nonuniform == "padded"
-        split = meta.split_decodes_and_prefills
+        varlen, split = self.backend.varlen, meta.split_decodes_and_prefills
         answers = dict(
             _supports_varlen_paged_mqa_logits=lambda: varlen,
             _supports_flattened_device_query_lens=lambda: not varlen,
@@ -336,7 +323,7 @@ class Builder:
         )
         if self.device.type == "cpu":
             answers["has_deep_gemm"] = lambda: False
-        if padded:
+        if self.backend.nonuniform == "padded":
             answers["split_decodes_and_prefills"] = lambda common, **kw: split(
                 common, **kw | dict(require_uniform=False)
             )
@@ -386,20 +373,18 @@ class Builder:
                 **more,
             )
 
-        tail = split(
-            next((i for i, x in enumerate(q) if x > 1), reqs),
-            positions=pos,
-            slot_mapping=meta.compute_kpool_tail_slot_mapping(
-                torch.full_like(out.tail[:tokens], -1),
-                self.tail_table[:reqs],
-                common.query_start_loc,
-                pos,
-                tokens,
-                reqs,
-                geo.ring,
-                out=out.tail[:tokens],
-            ),
+        tail_slots = meta.compute_kpool_tail_slot_mapping(
+            torch.full_like(out.tail[:tokens], -1),
+            self.tail_table[:reqs],
+            common.query_start_loc,
+            pos,
+            tokens,
+            reqs,
+            geo.ring,
+            out=out.tail[:tokens],
         )
+        ones = next((i for i, x in enumerate(q) if x > 1), reqs)
+        tail = split(ones, positions=pos, slot_mapping=tail_slots)
         indexer = split(
             decodes,
             slot_mapping=out.slots[:tokens],
@@ -527,23 +512,13 @@ class Builder:
         self.put(self.tail_table, tails)
         indexer, tail = (self.built if VLLM_BUILDERS else self.laid)(common)
         if tail_split == "indexer":
-            split = ("num_decodes", "num_decode_tokens", "num_prefills")
-            tail = replace(
-                tail,
-                **{k: getattr(indexer, k) for k in split},
-                num_prefill_tokens=indexer.num_prefill_tokens,
-            )
+            split = "num_decodes num_decode_tokens num_prefills num_prefill_tokens"
+            tail = replace(tail, **{k: getattr(indexer, k) for k in split.split()})
         decodes, layout, d = indexer.num_decodes, "none", indexer.decode
         if d is not None:
-            layout = (
-                "varlen"
-                if d.indices is not None
-                else "padded"
-                if d.requires_padding
-                else "native"
-                if d.seq_lens.shape[0] == decodes
-                else "flat"
-            )
+            layout = "varlen" if d.indices is not None else "padded"
+            if d.indices is None and not d.requires_padding:
+                layout = "native" if d.seq_lens.shape[0] == decodes else "flat"
         self.put(self.req_ids, req_ids)
         mla = SparseMLACommonMetadata(
             num_reqs=reqs,
@@ -564,7 +539,7 @@ class Builder:
         for names in geo.prefixes:
             metadata.update(zip(names, (indexer, tail, mla), strict=True))
         host = (rows, tokens, tuple(q_lens), decodes, max_seq, tail.num_decodes, layout)
-        return SimpleNamespace(
+        return NS(
             metadata=metadata,
             positions=self.positions[:rows],
             rows=rows,
@@ -572,5 +547,5 @@ class Builder:
             tokens=tokens,
             layout=layout,
             key=(reqs, q_pad, layout) if full else (rows,),
-            kind="decode" if decodes == reqs else "mixed" if decodes else "prefill",
+            kind=kind_of(decodes, reqs),
         )
