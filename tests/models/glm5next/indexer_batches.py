@@ -2,14 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The indexer simulator's batches: a serving run's requests as GLM-5-Next's
 DSA layers see them (``Scheduler``) and each step's attention metadata as
-vLLM 0.33.0's own builders build it (``Builder``).
-
-Requests arrive (a random-walk concurrency target), some with a cached
-prompt prefix, prefill in pool-aligned chunks (the stock kpool prefill write
-assumes it), decode ``next_n`` tokens (cycling 1..spec+1 in phases, uniform
-or not, a random number of drafts accepted: positions rewind) and finish,
-freeing their blocks. FULL graph batches pad with null-block requests of
-their ``q_len`` and capture-time ``max_seq_len``."""
+vLLM 0.33.0's own builders build it (``Builder``). Requests arrive (a
+random-walk concurrency target), some with a cached prefix, prefill in
+pool-aligned chunks (the stock kpool prefill write assumes it), decode
+``next_n`` tokens (1..spec+1 in phases, uniform or not, some drafts
+accepted: positions rewind) and finish, freeing their blocks."""
 
 import contextlib
 import random
@@ -25,8 +22,7 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
 from vllm.v1.attention.backends.mla import indexer as meta
 
 # The kernel-only shim (the GPU tier without vLLM) serves the metadata
-# classes but not vLLM's builders: there the metadata is laid by hand
-# (``laid``), as these builders lay it.
+# classes but not vLLM's builders: there ``laid`` lays the metadata by hand.
 VLLM_BUILDERS = hasattr(meta, "DeepseekV32IndexerMetadataBuilder")
 if VLLM_BUILDERS:
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -80,10 +76,9 @@ class Geometry:
 class Backend:
     """A backend path: ``mx`` (MX scales, BF16 logits: SM100), ``varlen``
     decode rows, the non-uniform layout, ``convert``: "group" (the index
-    group, counts), "group_no_counts" (FLASHMLA_SPARSE FP8: decode-only
-    steps through the group, mixed ones on the compute stream, no counts)
-    or "compute" (FlashInfer SM90: the compute stream with counts, the group
-    once patch 0005's flag is set)."""
+    group, counts), "group_no_counts" (FLASHMLA_SPARSE FP8: decode-only steps
+    through the group, no counts) or "compute" (FlashInfer SM90: the compute
+    stream with counts; the group once patch 0005's flag is set)."""
 
     name: str
     mx: bool
@@ -234,21 +229,17 @@ class Scheduler:
 
 class Builder:
     """Per-step metadata for every DSA layer of ``geo``: the indexer's and
-    the tail's from vLLM's own builders (``DeepseekV32IndexerMetadataBuilder``,
-    ``KpoolTailMetadataBuilder``) given a ``CommonAttentionMetadata`` in
+    the tail's from vLLM's builders given a ``CommonAttentionMetadata`` in
     persistent buffers, as the model runner lays it (captured graphs read
-    them); the sparse MLA metadata by hand (its builder is the backend's).
-
-    ``platform`` answers as the backend path's GPU would, with an H100's SM
-    count and, on the CPU, no DeepGEMM (its schedule op has no CPU kernel;
-    the logits stand-ins do not read it). Decode rows: ``varlen`` (SM100, a
-    row per token), SM90 ``native`` (``[B, next_n]`` for 1, 2 or 4) or
-    ``flat`` (a row per token: uniform 3, or all with adaptive verification).
-    vLLM 0.33.0 never pads non-uniform decodes (``require_uniform=True``):
-    ``padded`` is the builder's own ``requires_padding`` path, reached by
-    answering native for every ``next_n``, splitting without it; with
-    ``deep_gemm`` (DeepGEMM's own scores, whose SM90 kernel takes ``next_n``
-    1, 2 or 4) native only for those, as SM90 answers."""
+    them); the sparse MLA metadata by hand. ``platform`` answers as the
+    path's GPU would: an H100's SM count, no DeepGEMM on the CPU (its
+    schedule op has no CPU kernel; the logits stand-ins do not read it).
+    Decode rows: ``varlen`` (SM100, a row per token), SM90 ``native``
+    (``[B, next_n]`` for 1, 2 or 4) or ``flat`` (a row per token). vLLM
+    0.33.0 never pads non-uniform decodes: ``padded``, the builder's own
+    ``requires_padding`` path, answers native for every ``next_n`` and splits
+    them with ``require_uniform=False``; with ``deep_gemm`` (DeepGEMM's SM90
+    kernel takes ``next_n`` 1, 2 or 4) native only for those."""
 
     def __init__(self, geo: Geometry, backend: Backend, device, deep_gemm=False):
         self.geo, self.backend, self.device = geo, backend, torch.device(device)
@@ -340,8 +331,7 @@ class Builder:
 
     def built(self, common):
         """The indexer's and the tail's metadata by vLLM's builders (the
-        tail's ``CommonAttentionMetadata``: its own KV cache group's block
-        table, one block a request, and slot mapping)."""
+        tail's: its own group's block table, a block a request, and slots)."""
         tail = replace(
             common,
             block_table_tensor=self.tail_table[: common.num_reqs],
@@ -466,14 +456,12 @@ class Builder:
         self, batch: Batch, *, rows: int, full=False, pad_reqs=0, tail_split="indexer"
     ):
         """One step's forward inputs for ``rows`` hidden rows: ``metadata``
-        (indexer, tail and MLA entries), ``positions``, the ``tokens`` it
-        covers, ``kind``, decode ``layout``, the CUDA graph ``key`` and the
-        ``host`` values a FULL graph's capture bakes in. ``full``: a FULL
-        graph batch, padded with ``pad_reqs`` null requests of its ``q_len``,
-        with capture-time ``max_seq_len``; its key names every host value
-        (vLLM keys by token count because its ``q_len`` is fixed per
-        deployment; this batch cycles ``next_n``). ``tail_split="indexer"``:
-        the tail metadata split as the indexer's."""
+        (indexer, tail and MLA), ``positions``, ``tokens``, ``kind``, decode
+        ``layout``, the CUDA graph ``key`` and the ``host`` values a FULL
+        capture bakes in. ``full``: padded with ``pad_reqs`` null requests of
+        its ``q_len``, capture-time ``max_seq_len``, a key naming every host
+        value (vLLM's ``q_len`` is fixed; this one cycles ``next_n``).
+        ``tail_split="indexer"``: the tail metadata split as the indexer's."""
         geo = self.geo
         q_pad = batch.items[0].q_len if full else 0
         items = [(i.start, i.q_len, i.req) for i in batch.items]
