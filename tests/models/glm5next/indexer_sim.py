@@ -23,8 +23,9 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace as NS
 from unittest import mock
 
+import indexer_batches as batches
 import torch
-from indexer_batches import BACKENDS, Backend, Builder, Geometry, Scheduler, Workload
+from indexer_batches import BACKENDS, POOL, Backend, D, Geometry, Workload
 from select_contract import contract_topk
 
 from vllm.compilation import breakable_cudagraph as breakable
@@ -55,7 +56,6 @@ from vllm.v1.attention.backends.mla import flashinfer_mla_sparse_sm90 as fi_sm90
 from vllm.v1.attention.backends.mla import flashmla_sparse, sparse_utils
 from vllm.v1.attention.backends.mla import index_group as groups
 
-POOL, D = 4, 128
 # Written over every buffer a layer's step may write, before it: no result
 # is ever -7, so a byte left as it was shows.
 POISON = -7
@@ -66,15 +66,8 @@ STOCK_EXPAND = kpool_ops.expand_pools_and_append_tail
 STOCK_UPCAST = stock_layers.as_fp32_logits
 STOCK_CONVERT = sparse_utils.triton_convert_req_index_to_global_index
 STOCK_MX = deep_gemm.mqa_logits_use_mx_scales
-KERNELS = dict(
-    update=kpool.UPDATE,
-    expand=kpool.EXPAND,
-    remap=kpool.REMAP,
-    upcast=kpool.UPCAST,
-    select=kpool.SELECT,
-    scores=scores_launch.SCORES,
-)
-StageRegistry = install.StageRegistry
+KERNELS = dict(update=kpool.UPDATE, expand=kpool.EXPAND, remap=kpool.REMAP)
+KERNELS |= dict(upcast=kpool.UPCAST, select=kpool.SELECT, scores=scores_launch.SCORES)
 
 # --- References --------------------------------------------------------------
 
@@ -305,6 +298,13 @@ def kernel_name(key) -> str:
     return next(n for n, k in KERNELS.items() if isinstance(key, k.CompileKey))
 
 
+def stock_convert(req_ids, table, logical, block, stride, counts, **out):
+    """Stock's conversion of ``logical`` top-k rows to physical MLA rows."""
+    sizes = dict(BLOCK_SIZE=block, BLOCK_STRIDE_ROWS=stride)
+    sizes |= dict(NUM_TOPK_TOKENS=logical.shape[1], return_valid_counts=counts)
+    return STOCK_CONVERT(req_ids, table, logical, **sizes, **out)
+
+
 def twin(name: str, key, *args) -> None:
     """Writes what the executor of ``key`` would, by the stock twin."""
     if name == "update":
@@ -322,16 +322,10 @@ def twin(name: str, key, *args) -> None:
             STOCK_EXPAND(ids, lengths, POOL, seq_offset=offset, out=logical[: len(ids)])
         if name == "remap":
             req_ids, table, out, counts, _ = rest
-            STOCK_CONVERT(
-                req_ids,
-                table,
-                logical,
-                BLOCK_SIZE=key.block_size,
-                BLOCK_STRIDE_ROWS=key.stride_rows,
-                NUM_TOPK_TOKENS=out.shape[1],
-                return_valid_counts=key.counts,
-                out=out,
-                valid_counts_out=counts[: len(out)] if key.counts else None,
+            sizes = (key.block_size, key.stride_rows, key.counts)
+            valid = counts[: len(out)] if key.counts else None
+            stock_convert(
+                req_ids, table, logical, *sizes, out=out, valid_counts_out=valid
             )
     elif name == "upcast":
         logits, out, ends, _ = args
@@ -461,8 +455,8 @@ class Sim:
         self.geo, self.backend, self.device = geo, backend, torch.device(device)
         self.timeline = [] if timeline is None else timeline
         self.gen = g = torch.Generator(self.device).manual_seed(seed)
-        self.sched = Scheduler(geo, work or Workload(), random.Random(seed))
-        self.builder = Builder(geo, backend, self.device, deep_gemm)
+        self.sched = batches.Scheduler(geo, work or Workload(), random.Random(seed))
+        self.builder = batches.Builder(geo, backend, self.device, deep_gemm)
         dev, n, t, page = self.device, geo.layers, geo.max_tokens, geo.page
         blocks = geo.num_blocks
         self.kv = []
@@ -651,15 +645,8 @@ class Model:
                 return_valid_counts=counts,
             )
         else:
-            out = STOCK_CONVERT(
-                mla.req_id_per_token[:rows],
-                mla.block_table,
-                logical,
-                BLOCK_SIZE=mla.block_size,
-                BLOCK_STRIDE_ROWS=stride,
-                NUM_TOPK_TOKENS=logical.shape[1],
-                return_valid_counts=counts,
-            )
+            req_ids, table = mla.req_id_per_token[:rows], mla.block_table
+            out = stock_convert(req_ids, table, logical, mla.block_size, stride, counts)
         return out if counts else (out, None)
 
 
@@ -999,7 +986,7 @@ class Run:
         for side in self.sides:
             side.hold = cfg.hold_cycles if cuda else 0
         self.spies = Spies(patch, self.sim.timeline, compute=not cuda)
-        self.registry = StageRegistry()  # the stage sides' SPECIALIZED_KPOOL
+        self.registry = install.StageRegistry()  # the stages' SPECIALIZED_KPOOL
         self.graphs, self.hosts, self.stats = {}, {}, Counter()
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.stream = torch.cuda.Stream(self.device) if cuda else None
@@ -1016,7 +1003,7 @@ class Run:
         # Stock's scores are DeepGEMM's where ours are compared with its bytes.
         logits = deep_gemm_logits if self.sim.builder.deep_gemm else paged_logits
         references(self.patch, [sparse_indexer], self.device, logits, topk)
-        if self.stream is not None:  # after the initial state's stream
+        if cuda:  # after the initial state's stream
             self.stream.wait_stream(torch.cuda.current_stream())
             stack.enter_context(torch.cuda.stream(self.stream))
         for side in self.sides[1:]:
@@ -1238,15 +1225,9 @@ class Bench:
         self.batch = None
         self.use(step)
         self.engine = Model(self.sim, "stage", **model)
-        self.registry = StageRegistry() if registry is None else registry
-        build_stage(
-            self.engine,
-            self.registry,
-            max_rows=max_rows,
-            select=select,
-            scores=scores,
-            warm=warm,
-        )
+        self.registry = install.StageRegistry() if registry is None else registry
+        options = dict(max_rows=max_rows, select=select, scores=scores, warm=warm)
+        build_stage(self.engine, self.registry, **options)
         self.stage = self.engine.stage
         spies.watch(self.stage)
 
