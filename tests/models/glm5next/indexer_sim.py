@@ -123,16 +123,9 @@ def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
         ids, slots = table[sl][:, cols // page].long(), cols % page
         return keys[ids, slots], scales[ids, slots]
 
-    width, mx = kw["max_model_len"], q_scale is not None
-    out = _logits(
-        values.reshape(rows, -1, D),
-        q_scale,
-        weights,
-        width,
-        lens.reshape(-1)[:rows],
-        gather,
-        mx,
-    )
+    width, mx, ends = kw["max_model_len"], q_scale is not None, lens.reshape(-1)
+    values = values.reshape(rows, -1, D)
+    out = _logits(values, q_scale, weights, width, ends[:rows], gather, mx)
     dtype = kw.get("dtype") or (torch.bfloat16 if mx else torch.float32)
     shape = (rows, width + kw.get("pad", 0))
     return torch.empty(shape, dtype=dtype, device=out.device)[:, :width].copy_(out)
@@ -377,18 +370,16 @@ class Spies:
         for kernel in KERNELS.values():
             launch = sys.modules[type(kernel).__module__]
             patch.setattr(launch, "check_devices", any_device)
-        for module in (
-            stage_module,
-            sys.modules[type(kpool.SELECT).__module__],
-            scores_launch,
-        ):
+        select = sys.modules[type(kpool.SELECT).__module__]
+        for module in (stage_module, select, scores_launch):
             patch.setattr(module, "sm_count", lambda index: 132)
         update = "kpool_decode_update_and_maybe_write_cache_batched"
+        expand = "expand_pools_and_append_tail"
         for name, module, label in (
             (update, stage_module, "stock:update"),
             ("as_fp32_logits", stage_module, "stock:upcast"),
-            ("expand_pools_and_append_tail", stage_module, "stock:expand"),
-            ("expand_pools_and_append_tail", kpool_ops, "indexer:expand"),
+            (expand, stage_module, "stock:expand"),
+            (expand, kpool_ops, "indexer:expand"),
             ("triton_convert_req_index_to_global_index", groups, "stock:convert"),
         ):
             patch.setattr(module, name, self.logged(label, getattr(module, name)))
@@ -521,6 +512,7 @@ class Model:
         self.hidden = torch.zeros((t, 8), dtype=torch.bfloat16, device=dev)
         self.forwards = torch.zeros(1, dtype=torch.int64, device=dev)
         rows = (geo.capacity if capacity is None else capacity) + 1
+        snap = dict(logical=(t, w), physical=(t, w), counts=(t,), flags=(2,))
 
         def event(name: str):  # the stock event on CUDA, a ``Fake`` on the CPU
             return groups._create_event() if cuda else Fake(log, name)
@@ -539,14 +531,7 @@ class Model:
             group.register_layer()
             source = vars(sim.source).items()
             self.inputs.append(NS(**{k: v[0].clone() for k, v in source}))
-            self.snaps.append(
-                NS(
-                    logical=ints((t, w), dev),
-                    physical=ints((t, w), dev),
-                    counts=ints((t,), dev),
-                    flags=ints((2,), dev),
-                )
-            )
+            self.snaps.append(NS(**{k: ints(s, dev) for k, s in snap.items()}))
             if impl is None:  # no method of it runs: what the stage reads of one
                 cls = IMPLS[sim.backend.convert]
                 made = cls.__new__(cls)
@@ -558,21 +543,17 @@ class Model:
             mla_kv = torch.empty(shape, dtype=torch.uint8, device=dev)[:, : geo.block]
             mla_kv = mla_kv if bound else None
             mla = NS(impl=impl(group) if impl else made, kv_cache=mla_kv)
-            self.groups.append(group)
-            self.attentions.append(
-                NS(
-                    indexer=NS(
-                        k_cache=NS(prefix=k_prefix, kv_cache=self.kv[layer]),
-                        tail_cache=NS(prefix=tail_prefix, kv_cache=self.tail[layer]),
-                        topk_indices_buffer=self.buffer,
-                        topk_tokens=geo.topk,
-                        scale_fmt=geo.scale_fmt,
-                        max_pool_len=geo.max_pool_len,
-                        n_head=geo.index_heads or geo.heads,
-                    ),
-                    mla_attn=NS(mla_attn=mla),
-                )
+            indexer = NS(
+                k_cache=NS(prefix=k_prefix, kv_cache=self.kv[layer]),
+                tail_cache=NS(prefix=tail_prefix, kv_cache=self.tail[layer]),
+                topk_indices_buffer=self.buffer,
+                topk_tokens=geo.topk,
+                scale_fmt=geo.scale_fmt,
+                max_pool_len=geo.max_pool_len,
+                n_head=geo.index_heads or geo.heads,
             )
+            self.groups.append(group)
+            self.attentions.append(NS(indexer=indexer, mla_attn=NS(mla_attn=mla)))
 
     def active(self):
         """This model's ``SPECIALIZED_KPOOL`` in its indexer module."""
@@ -655,38 +636,18 @@ def index(model: Model, layer: int, fwd) -> None:
     """The layer's indexer call (an eager break, as the indexer is), the
     compute stream held back first: a conversion that does not wait for the
     indexer's rows reads the poison."""
-    geo, x, rows = model.sim.geo, model.inputs[layer], fwd.rows
+    geo, x, rows, sim = model.sim.geo, model.inputs[layer], fwd.rows, model.sim
+    k_prefix, tail_prefix, _ = geo.prefixes[layer]
     if model.hold and not torch.cuda.is_current_stream_capturing():
         torch.cuda._sleep(model.hold)
     positions = None if fwd.positions is None else fwd.positions[:rows]
-    model.module.sparse_attn_indexer_kpool(
-        model.hidden[:rows],
-        geo.prefixes[layer][0],
-        model.kv[layer],
-        x.q[:rows],
-        None,
-        x.k[:rows, :D],
-        x.w[:rows],
-        128,
-        geo.scale_fmt,
-        geo.topk,
-        D,
-        geo.max_pool_len,
-        geo.max_reqs * geo.max_pool_len,
-        model.buffer,
-        False,
-        False,
-        x.gate[:rows],
-        model.sim.ape[layer],
-        POOL,
-        positions,
-        model.tail[layer],
-        geo.prefixes[layer][1],
-        "torch",
-        0,
-        1,
-        1,
-    )
+    # ``sparse_attn_indexer_kpool``'s arguments, in its order.
+    inputs = (model.hidden[:rows], k_prefix, model.kv[layer], x.q[:rows], None)
+    inputs += (x.k[:rows, :D], x.w[:rows], 128, geo.scale_fmt, geo.topk, D)
+    inputs += (geo.max_pool_len, geo.max_reqs * geo.max_pool_len, model.buffer)
+    inputs += (False, False, x.gate[:rows], sim.ape[layer], POOL, positions)
+    inputs += (model.tail[layer], tail_prefix, "torch", 0, 1, 1)
+    model.module.sparse_attn_indexer_kpool(*inputs)
 
 
 @breakable.eager_break_during_capture
@@ -756,14 +717,9 @@ def build_stage(
 
 # --- Stage against stock ---------------------------------------------------------
 
-FIELDS = (
-    "index cache",
-    "tail cache",
-    "logical top-k",
-    "physical top-k",
-    "counts",
-    "pool ids",
-)
+# What ``differences`` compares, in its order.
+FIELDS = ("index cache", "tail cache", "logical top-k", "physical top-k")
+FIELDS += ("counts", "pool ids")
 
 
 def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False):
@@ -859,8 +815,6 @@ CPU_WORK = Workload(
     phase=1,
     cached=(100, 200),
 )
-
-
 # The opt-in scores' runs: GLM-5-Next's 16 heads as vLLM pads them to 32 for
 # DeepGEMM (the stage scores the 16), pages of 64 pools (256-token blocks;
 # DeepGEMM takes 32 or 64), MLA blocks laid further apart than their rows.
@@ -874,12 +828,8 @@ def scores_reach(cfg) -> bool:
     """Whether the opt-in scores can run on ``cfg``'s backend and geometry."""
     geo = cfg.geo
     heads = scores_launch.served_heads(geo.index_heads or geo.heads)
-    return (
-        not BACKENDS[cfg.backend].mx
-        and heads is not None
-        and heads <= geo.heads
-        and geo.page in scores_launch.BLOCKS
-    )
+    fits = heads is not None and heads <= geo.heads and geo.page in scores_launch.BLOCKS
+    return fits and not BACKENDS[cfg.backend].mx
 
 
 def fuzz_seed() -> int:
@@ -973,13 +923,9 @@ class Run:
         self.cfg, self.patch, self.device = cfg, patch, torch.device(device)
         cuda = self.device.type == "cuda"
         # CUDA, opted-in scores: stock's are DeepGEMM's (``deep_gemm_logits``).
+        scored, backend = cuda and cfg.scores, BACKENDS[cfg.backend]
         self.sim = Sim(
-            cfg.geo,
-            BACKENDS[cfg.backend],
-            device,
-            cfg.seed,
-            work=cfg.work,
-            deep_gemm=cuda and cfg.scores,
+            cfg.geo, backend, device, cfg.seed, work=cfg.work, deep_gemm=scored
         )
         names = ("stock", "stage", "stage 2")[: 1 + cfg.stages]
         self.sides = [Model(self.sim, name) for name in names]
@@ -1093,12 +1039,9 @@ class Run:
         cfg, sim, s = self.cfg, self.sim, self.stats
         batch = sim.sched.schedule()
         how, rows, pad = self.how(batch)
+        split, full = cfg.work.tail_split, how == "full"
         fwd = sim.builder.build(
-            batch,
-            rows=rows,
-            full=how == "full",
-            pad_reqs=pad,
-            tail_split=cfg.work.tail_split,
+            batch, rows=rows, full=full, pad_reqs=pad, tail_split=split
         )
         sim.fill(rows)
         sim.timeline.clear()
@@ -1177,21 +1120,16 @@ class Step:
 
     def geometry(self) -> Geometry:
         longest = max(c + q for c, q in zip(self.ctx, self.q_lens, strict=True))
-        length = max(512, -(-longest // 64) * 64)
+        fields = ("topk", "key_stride", "scale_fmt", "first_layer", "block")
+        same = {name: getattr(self, name) for name in (*fields, "heads", "index_heads")}
         return Geometry(
             layers=1,
-            block=self.block,
-            heads=self.heads,
-            index_heads=self.index_heads,
-            topk=self.topk,
-            max_model_len=length,
+            max_model_len=max(512, -(-longest // 64) * 64),
             max_reqs=len(self.q_lens) + 2,
             max_tokens=self.tokens + self.pad_rows + 4,
             mla_block_rows=self.stride_rows,
-            key_stride=self.key_stride,
-            scale_fmt=self.scale_fmt,
             buffer_width=self.width,
-            first_layer=self.first_layer,
+            **same,
         )
 
     def backend(self, mx: bool) -> Backend:
