@@ -1,16 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The indexer simulator: GLM-5-Next's patched ``sparse_attn_indexer_kpool``
-and the sparse MLA top-k conversion run as serving runs them, the
-``dsa_kpool`` stage against stock, every byte a step leaves: ``Run`` step
-after step (eager, FULL and piecewise graphs, two stages, streams held
-back), ``Bench`` one step of one layer (the CPU routing tests).
-
-Metadata: vLLM's own builders (``indexer_batches``). DeepGEMM's scores are
-the simulator's own: vLLM's torch ones (``rocm_aiter_mla_sparse.py``) take
-no MX scales nor a query scale, read a ``next_n > 1`` cache as per-token
-rows, give prefill rows absolute key columns and ``-inf`` past a row's end
-(here ``PAST_END``, which a top-k that read it would pick)."""
+and the sparse MLA top-k conversion as serving runs them, the ``dsa_kpool``
+stage against stock, every byte a step leaves: ``Run`` step after step
+(eager, FULL and piecewise graphs, two stages, streams held back), ``Bench``
+one step of one layer (the CPU routing tests); metadata from
+``indexer_batches``. DeepGEMM's scores are the simulator's own (vLLM's torch
+ones take no MX or query scales, read a ``next_n > 1`` cache per token and
+give ``-inf`` past a row's end: ``PAST_END`` here, which a top-k that read
+it would pick)."""
 
 import contextlib
 import importlib.util
@@ -73,8 +71,7 @@ KERNELS |= dict(upcast=kpool.UPCAST, select=kpool.SELECT, scores=scores_launch.S
 
 
 def _scale(raw: torch.Tensor, mx: bool) -> torch.Tensor:
-    """Per-32-block float64 factors ``[..., 4]`` of four scale bytes: UE8M0
-    exponents with MX, else one FP32."""
+    """Per-32-block float64 factors of four scale bytes: UE8M0 with MX, else FP32."""
     if mx:
         return torch.pow(2.0, raw.double() - 127.0)
     return raw.contiguous().view(torch.float32).double().expand(*raw.shape[:-1], 4)
@@ -106,12 +103,11 @@ def _logits(q, q_scale, weights, width: int, ends, gather, mx: bool):
 
 
 def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
-    """DeepGEMM's ``fp8_fp4_paged_mqa_logits``: ``q = (values [B, next_n,
-    H, D], MX scales or None)``, ``kv_cache [blocks, page, D + 4]`` uint8 (a
-    page's values, then its scales), ``lens [B, next_n]`` in pools,
-    ``tables`` per request or per row; ``[B * next_n, max_model_len]``
-    logits, BF16 with MX scales (SM100) else FP32. ``dtype`` and ``pad``
-    (row stride) override."""
+    """DeepGEMM's ``fp8_fp4_paged_mqa_logits``: ``q = (values [B, next_n, H,
+    D], MX scales or None)``, ``kv_cache [blocks, page, D + 4]`` uint8 (a
+    page's values, then its scales), ``lens [B, next_n]`` in pools, ``tables``
+    per request or per row; BF16 logits with MX scales (SM100), else FP32
+    (``dtype`` overrides; ``pad``: row stride past ``max_model_len``)."""
     values, q_scale = q
     rows, (blocks, page) = values.shape[0] * values.shape[1], kv_cache.shape[:2]
     flat = kv_cache.reshape(blocks, -1)
@@ -133,8 +129,7 @@ def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
 
 def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
     """DeepGEMM's ``fp8_fp4_mqa_logits`` (prefill): row ``i`` scores keys
-    ``[ks[i], ke[i])`` of the gathered ``kv = (values [N, D], scales [N])``
-    from column 0."""
+    ``[ks[i], ke[i])`` of ``kv = (values [N, D], scales [N])`` from column 0."""
     (values, q_scale), (k_values, k_scales) = q, kv
     raw = k_scales.contiguous().view(torch.uint8).view(-1, 4)
 
@@ -149,9 +144,9 @@ def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
 
 def deep_gemm_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
     """DeepGEMM's own ``fp8_fp4_paged_mqa_logits`` (SM90: FP32 scales, no
-    ``indices``), with its schedule for this GPU (the kernel-only shim's
-    laid metadata carries none): on CUDA, the stock scores that
-    ``kpool_scores`` is compared with."""
+    ``indices``) with its schedule for this GPU (the kernel-only shim's laid
+    metadata carries none): on CUDA, the stock scores ``kpool_scores`` is
+    compared with."""
     if q[1] is not None or kw.get("indices") is not None:
         raise ValueError("deep_gemm_logits: SM90's call (no MX scales, no indices)")
     arguments = dict(q=q, kv_cache=kv_cache, weights=weights, seq_lens=lens)
@@ -188,9 +183,8 @@ def stable_decode_topk(backend=None):
 
 
 def contract_decode_topk(backend=None):
-    """``get_indexer_topk(backend)`` where the select is compared with it:
-    ``contract_topk``'s set, each row's valid ids reversed (stock's order
-    is its own), so rows compare as sets."""
+    """``get_indexer_topk(backend)`` beside the select: ``contract_topk``'s
+    set, each row's ids reversed (stock's order is its own; rows compare as sets)."""
 
     def topk(logits, seq_lens, next_n, out, k, max_seq_len):
         ids = contract_topk(logits, seq_lens.reshape(-1).to(torch.int32), k)
@@ -269,7 +263,7 @@ def mx_scales(patch, flag: bool, *modules) -> None:
 
 class Fake:
     """A CUDA stream or event on the CPU: each use (``wait_event``,
-    ``record``, ...) recorded in ``log`` with the names of its arguments."""
+    ``record``, ...) logged with the names of its arguments."""
 
     def __init__(self, log: list, name: str):
         self.log, self.name = log, name
@@ -352,13 +346,11 @@ def any_device(names, *tensors, optional=()) -> None:
 
 class Spies:
     """The stage's launches as ``watch`` wraps them: each records
-    ``kernel:<name>`` and its key (``launched``, ``launches``) and, with
-    ``compute`` (the CPU), writes what the executor would by the stock twin.
-    With ``compute``, ``check_devices`` takes CPU tensors, the SM count is an
-    H100's, and every route lands in ``timeline``: the stage's stock
-    fallbacks (``stock:<name>``), the indexer's own expansion
-    (``indexer:expand``), the group's stock conversion (``stock:convert``),
-    hand-overs (``defer``), materializations and the fake streams."""
+    ``kernel:<name>`` and its key (``launched``, ``launches``). With
+    ``compute`` (the CPU) the stock twin writes what the executor would, CPU
+    tensors pass ``check_devices``, the SM count is an H100's, and
+    ``timeline`` gets every route (``stock:<name>`` fallbacks, ``indexer:
+    expand``, ``defer``, materializations, the fake streams)."""
 
     def __init__(self, patch, timeline: list, compute: bool = True):
         self.timeline, self.compute = timeline, compute
@@ -395,8 +387,7 @@ class Spies:
         return wrapper
 
     def watch(self, stage) -> None:
-        """Wraps what ``stage``'s warmup compiled, its hand-overs and
-        materializations."""
+        """Wraps ``stage``'s compiled executors, hand-overs, materializations."""
         for key, executor in list(stage.executors.items()):
             name = kernel_name(key)
             self.compiled[name].add(key)
@@ -435,10 +426,9 @@ def ints(shape, device) -> torch.Tensor:
 
 class Sim:
     """One configuration: geometry, backend path, device, the initial caches
-    (an index cache of finite FP8 keys scaled ``2^-12 .. 2^-5``, MX: four
-    equal UE8M0 bytes, as the update writes them) and inputs every model
-    reads, the scheduler and the metadata builder (``deep_gemm``: the
-    decode rows DeepGEMM's own scores take)."""
+    (FP8 keys scaled ``2^-12 .. 2^-5``; MX: four equal UE8M0 bytes, as the
+    update writes them), the inputs every model reads, the scheduler and the
+    metadata builder (``deep_gemm``: the rows DeepGEMM's own scores take)."""
 
     def __init__(
         self, geo, backend, device, seed: int, timeline=None, work=None, deep_gemm=False
@@ -491,13 +481,11 @@ class Sim:
 class Model:
     """One engine's DSA layers on ``sim``: ``module`` the indexer it runs,
     ``kpool`` its ``SPECIALIZED_KPOOL`` (None: stock), ``options`` how it
-    converts (``counts``, ``layer_index``, ``block_stride_rows``; ``consume(
-    model, layer, logical, mla)``: a backend's own decode), ``hold`` GPU
-    cycles each stream is held back at each hand-off, ``between(layer)``
-    what runs between a layer's indexer and its conversion. Per layer an
-    index group (``SparseMLAIndexGroupBuilder``'s rows: decode rows + 1) and
-    ``snaps``: what its consumer saw (logical buffer, physical rows, counts;
-    ``flags``: deferred, the rows converted)."""
+    converts (``counts``, ``layer_index``, ``block_stride_rows``, ``consume(
+    model, layer, logical, mla)``), ``hold`` GPU cycles a stream is held back
+    at a hand-off, ``between(layer)`` what runs between a layer's indexer and
+    its conversion. Per layer an index group (decode rows + 1) and ``snaps``:
+    what its consumer saw (``flags``: deferred, the rows converted)."""
 
     def __init__(
         self, sim: Sim, name: str, *, module=None, impl=None, capacity=None, bound=True
@@ -568,14 +556,13 @@ class Model:
         return self
 
     def forward(self, fwd) -> None:
-        """Every DSA layer's step (graph-capturable but for the indexer and
-        the conversion, eager breaks): the layer's inputs copied in, every
-        buffer it writes poisoned, its step."""
+        """Every DSA layer's step (the indexer and conversion: eager breaks)."""
         for layer in range(self.sim.geo.layers):
             self.forward_layer(fwd, layer)
         self.forwards += 1  # the model's work after the last break (its head)
 
     def forward_layer(self, fwd, layer: int) -> None:
+        """The layer's inputs copied in, what it writes poisoned, its step."""
         x, group = self.inputs[layer], self.groups[layer]
         for name, buffer in vars(x).items():
             buffer[: fwd.rows].copy_(getattr(self.sim.source, name)[layer, : fwd.rows])
@@ -689,12 +676,11 @@ def context(fwd, mode=CUDAGraphMode.NONE, metadata="step", dummy_run=False):
 def build_stage(
     model: Model, registry, *, max_rows=None, select=False, scores=False, warm=True
 ):
-    """``model``'s stage as ``install()`` builds it and the JIT warmup turns
-    it on: a ``KpoolStage`` added to ``registry`` (a ``StageRegistry``: the
-    model's ``SPECIALIZED_KPOOL``) by its top-k buffer, then (``warm``) each
-    of its kernels' warmup keys and compile, in the order vLLM's JIT warmup
-    registry takes them, self-check off (it has its own tests). ``select``:
-    ``kpool_select``'s value; ``scores``: ``kpool_scores``'s."""
+    """``model``'s stage as ``install()`` builds it: a ``KpoolStage`` added
+    to ``registry`` (the model's ``SPECIALIZED_KPOOL``) by its top-k buffer,
+    then (``warm``) its kernels' warmup keys compiled as vLLM's JIT warmup
+    does, self-check off. ``select``, ``scores``: ``kpool_select``'s and
+    ``kpool_scores``' values."""
     stage = stage_module.KpoolStage(
         model.attentions,
         model.sim.geo.capacity if max_rows is None else max_rows,
@@ -767,8 +753,7 @@ def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False)
 
 
 def flags(stock: Model, where, tokens: int, sets=False) -> list[list[int]]:
-    """``differences`` of each ``(stage model, layer)`` of ``where`` (one
-    sync)."""
+    """``differences`` of each ``(stage model, layer)`` of ``where``, one sync."""
     found = [torch.stack(differences(stock, s, i, tokens, sets)) for s, i in where]
     return torch.stack(found).tolist()
 
@@ -845,16 +830,11 @@ class Config:
     work: Workload = field(default_factory=Workload)
     seed: int = 0
     stages: int = 1  # 2: two engines' stages, their layers interleaved
-    # False (CPU): graph modes run each step eagerly in their forward context
-    # (FULL: padded batch, capture-time metadata; piecewise: padded rows).
+    # False (CPU): graph modes run each step eagerly in their forward context.
     capture: bool = True
     hold_cycles: int = 0  # CUDA: each stream held back at each hand-off
-    # The opt-in select: stock's top-k is contract_topk's set in another
-    # order, and the top-k rows compare as sets.
-    select: bool = False
-    # The opt-in scores (SM90 paths; ``geo`` with heads and pages the kernel
-    # takes, ``SCORES_GEOMETRY``): on CUDA, stock's are DeepGEMM's own.
-    scores: bool = False
+    select: bool = False  # opt-in; stock's top-k: contract_topk's, rows as sets
+    scores: bool = False  # opt-in (SM90, SCORES_GEOMETRY); stock's on CUDA: DeepGEMM
     full_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)  # requests
     piecewise_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
     max_reported: int = 20
@@ -903,12 +883,11 @@ class Report:
 
 
 class Run:
-    """One configuration's models fed the same steps, compared after every
-    step: ``stock`` (``SPECIALIZED_KPOOL = None``) and one or two stage
-    models. With two, each step one leads and, per layer, between its
-    indexer and its conversion the other's whole layer step runs and its
-    pool buffer is poisoned: a stage that read the other's buffer (or
-    hand-off) differs from stock."""
+    """One configuration's models fed the same steps, compared after each:
+    ``stock`` (``SPECIALIZED_KPOOL = None``) and one or two stages. With two,
+    one leads each step and, per layer, between its indexer and conversion
+    the other's layer step runs and its pool buffer is poisoned: a stage that
+    read the other's buffer (or hand-off) differs from stock."""
 
     def __init__(self, cfg: Config, device, patch):
         if cfg.stages not in (1, 2) or (cfg.stages == 2 and cfg.mode != "eager"):
@@ -1028,9 +1007,7 @@ class Run:
             self.stats["piecewise_replay"] += stage
 
     def interleave(self, other: Model, fwd, layer: int) -> None:
-        """Between a stage's indexer and its conversion of ``layer``: the
-        other stage's whole step of the layer, then its pool buffer
-        poisoned."""
+        """``other``'s step of ``layer``, then its pool buffer poisoned."""
         with other.active(), override_forward_context(context(fwd)):
             other.forward_layer(fwd, layer)
         other.stage.pool_buffer.fill_(POISON)
@@ -1138,10 +1115,9 @@ class Step:
 
 
 class Bench:
-    """One step of one DSA layer (CPU): ``run`` runs it on the engine (its
-    stage built, warmed up and spied; ``select``, ``scores``: opted in) or
-    another model, ``stock`` on a fresh model of ``stock_module`` (the
-    unpatched indexer), each from the same initial caches and inputs."""
+    """One step of one DSA layer (CPU), from the same caches and inputs each
+    time: ``run`` on the engine (its stage built, warmed up and spied) or
+    another model, ``stock`` on a fresh model of ``stock_module``."""
 
     def __init__(
         self,
