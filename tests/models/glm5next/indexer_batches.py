@@ -2,19 +2,16 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The indexer simulator's batches: a serving run's requests as GLM-5-Next's
 DSA layers see them (``Scheduler``) and each step's attention metadata as
-vLLM 0.33.0's own builders build it (``Builder``).
-
-Requests arrive (a random-walk concurrency target), some with a cached
-prompt prefix, prefill in pool-aligned chunks (the stock kpool prefill write
-assumes it), decode ``next_n`` tokens (cycling 1..spec+1 in phases, uniform
-or not, a random number of drafts accepted: positions rewind) and finish,
-freeing their blocks. FULL graph batches pad with null-block requests of
-their ``q_len`` and capture-time ``max_seq_len``."""
+vLLM 0.33.0's own builders build it (``Builder``). Requests arrive (a
+random-walk concurrency target), some with a cached prefix, prefill in
+pool-aligned chunks (the stock kpool prefill write assumes it), decode
+``next_n`` tokens (1..spec+1 in phases, uniform or not, some drafts
+accepted: positions rewind) and finish, freeing their blocks."""
 
 import contextlib
 import random
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
+from types import SimpleNamespace as NS
 from unittest import mock
 
 import torch
@@ -25,14 +22,13 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
 from vllm.v1.attention.backends.mla import indexer as meta
 
 # The kernel-only shim (the GPU tier without vLLM) serves the metadata
-# classes but not vLLM's builders: there the metadata is laid by hand
-# (``laid``), as these builders lay it.
+# classes but not vLLM's builders: there ``laid`` lays the metadata by hand.
 VLLM_BUILDERS = hasattr(meta, "DeepseekV32IndexerMetadataBuilder")
 if VLLM_BUILDERS:
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.kv_cache_interface import CircularBufferSpec, MLAAttentionSpec
 else:
-    CommonAttentionMetadata = SimpleNamespace
+    CommonAttentionMetadata = NS
 
 POOL, D = 4, 128
 
@@ -80,10 +76,9 @@ class Geometry:
 class Backend:
     """A backend path: ``mx`` (MX scales, BF16 logits: SM100), ``varlen``
     decode rows, the non-uniform layout, ``convert``: "group" (the index
-    group, counts), "group_no_counts" (FLASHMLA_SPARSE FP8: decode-only
-    steps through the group, mixed ones on the compute stream, no counts)
-    or "compute" (FlashInfer SM90: the compute stream with counts, the group
-    once patch 0005's flag is set)."""
+    group, counts), "group_no_counts" (FLASHMLA_SPARSE FP8: decode-only steps
+    through the group, no counts) or "compute" (FlashInfer SM90: the compute
+    stream with counts; the group once patch 0005's flag is set)."""
 
     name: str
     mx: bool
@@ -113,7 +108,6 @@ class Workload:
 
 @dataclass
 class Request:
-    rid: int
     prompt: int
     output: int
     tail: int
@@ -137,12 +131,11 @@ class Batch:
     num_decodes: int  # leading decode-class requests (q_len <= next_n)
     tokens = property(lambda b: sum(i.q_len for i in b.items))
     uniform = property(lambda b: len({i.q_len for i in b.items[: b.num_decodes]}) < 2)
+    kind = property(lambda b: kind_of(b.num_decodes, len(b.items)))
 
-    @property
-    def kind(self) -> str:
-        if self.num_decodes == len(self.items):
-            return "decode"
-        return "mixed" if self.num_decodes else "prefill"
+
+def kind_of(decodes: int, requests: int) -> str:
+    return "decode" if decodes == requests else "mixed" if decodes else "prefill"
 
 
 class Scheduler:
@@ -159,8 +152,7 @@ class Scheduler:
 
     def request(self, prompt: int, output: int, cached: int = 0) -> Request:
         self.rids += 1
-        tail = self.free_tails.pop()
-        return Request(self.rids - 1, prompt, output, tail, min(cached, prompt - 1))
+        return Request(prompt, output, self.free_tails.pop(), min(cached, prompt - 1))
 
     def schedule(self) -> Batch:
         """New arrivals, then the next step's requests, decode-class first."""
@@ -237,21 +229,17 @@ class Scheduler:
 
 class Builder:
     """Per-step metadata for every DSA layer of ``geo``: the indexer's and
-    the tail's from vLLM's own builders (``DeepseekV32IndexerMetadataBuilder``,
-    ``KpoolTailMetadataBuilder``) given a ``CommonAttentionMetadata`` in
+    the tail's from vLLM's builders given a ``CommonAttentionMetadata`` in
     persistent buffers, as the model runner lays it (captured graphs read
-    them); the sparse MLA metadata by hand (its builder is the backend's).
-
-    ``platform`` answers as the backend path's GPU would, with an H100's SM
-    count and, on the CPU, no DeepGEMM (its schedule op has no CPU kernel;
-    the logits stand-ins do not read it). Decode rows: ``varlen`` (SM100, a
-    row per token), SM90 ``native`` (``[B, next_n]`` for 1, 2 or 4) or
-    ``flat`` (a row per token: uniform 3, or all with adaptive verification).
-    vLLM 0.33.0 never pads non-uniform decodes (``require_uniform=True``):
-    ``padded`` is the builder's own ``requires_padding`` path, reached by
-    answering native for every ``next_n``, splitting without it; with
-    ``deep_gemm`` (DeepGEMM's own scores, whose SM90 kernel takes ``next_n``
-    1, 2 or 4) native only for those, as SM90 answers."""
+    them); the sparse MLA metadata by hand. ``platform`` answers as the
+    path's GPU would: an H100's SM count, no DeepGEMM on the CPU (its
+    schedule op has no CPU kernel; the logits stand-ins do not read it).
+    Decode rows: ``varlen`` (SM100, a row per token), SM90 ``native``
+    (``[B, next_n]`` for 1, 2 or 4) or ``flat`` (a row per token). vLLM
+    0.33.0 never pads non-uniform decodes: ``padded``, the builder's own
+    ``requires_padding`` path, answers native for every ``next_n`` and splits
+    them with ``require_uniform=False``; with ``deep_gemm`` (DeepGEMM's SM90
+    kernel takes ``next_n`` 1, 2 or 4) native only for those."""
 
     def __init__(self, geo: Geometry, backend: Backend, device, deep_gemm=False):
         self.geo, self.backend, self.device = geo, backend, torch.device(device)
@@ -266,35 +254,26 @@ class Builder:
         self.query_start, self.seq_lens, self.req_ids = buf(r + 1), buf(r), buf(t)
         self.block_table, self.tail_table = buf(r, blocks), buf(r, 1)
         # Where ``laid`` puts what the builders keep in their own buffers.
-        self.out = SimpleNamespace(
-            slots=buf(t, dtype=torch.int64),
-            tail=buf(t, dtype=torch.int64),
-            seq=buf(t),
-            lens=buf(t),
-            per_req=buf(t),
-            indices=buf(t),
-            table=buf(t, blocks),
-            schedule=buf(1),
-        )
+        ints = {name: buf(t) for name in ("seq", "lens", "per_req", "indices")}
+        longs = {name: buf(t, dtype=torch.int64) for name in ("slots", "tail")}
+        self.out = NS(**ints, **longs, table=buf(t, blocks), schedule=buf(1))
         if not VLLM_BUILDERS:
             return
-        ns = SimpleNamespace
-        config = ns(
-            scheduler_config=ns(max_num_batched_tokens=t, max_num_seqs=r),
-            parallel_config=ns(
-                decode_context_parallel_size=1,
-                tensor_parallel_size=1,
-                prefill_context_parallel_size=1,
+        parallel = ("decode_context", "tensor", "prefill_context")
+        config = NS(
+            scheduler_config=NS(max_num_batched_tokens=t, max_num_seqs=r),
+            parallel_config=NS(
+                **{f"{name}_parallel_size": 1 for name in parallel},
                 cp_kv_cache_interleave_size=1,
             ),
-            speculative_config=ns(
+            speculative_config=NS(
                 num_speculative_tokens=geo.spec,
                 enable_adaptive_verification=backend.nonuniform == "flat",
             ),
             num_speculative_tokens=geo.spec,
-            model_config=ns(max_model_len=geo.max_model_len),
-            compilation_config=ns(cudagraph_mode=None),
-            attention_config=ns(
+            model_config=NS(max_model_len=geo.max_model_len),
+            compilation_config=NS(cudagraph_mode=None),
+            attention_config=NS(
                 sparse_mla_prefill_workspace_factor=5,
                 resolve_indexer_kv_dtype=lambda default: default,
             ),
@@ -314,20 +293,19 @@ class Builder:
             dtype=torch.bfloat16,
             dcp_sharded=False,
         )
-        names = list(zip(*geo.prefixes, strict=True))
+        names = [list(n) for n in zip(*geo.prefixes, strict=True)]
         with self.platform():
             self.indexer = meta.DeepseekV32IndexerMetadataBuilder(
-                spec, list(names[0]), config, self.device, block_table_width=blocks
+                spec, names[0], config, self.device, block_table_width=blocks
             )
             self.tail = meta.KpoolTailMetadataBuilder(
-                tail, list(names[1]), config, self.device
+                tail, names[1], config, self.device
             )
 
     @contextlib.contextmanager
     def platform(self):
         """The builders' platform answers for the backend path."""
-        varlen, padded = self.backend.varlen, self.backend.nonuniform == "padded"
-        split = meta.split_decodes_and_prefills
+        varlen, split = self.backend.varlen, meta.split_decodes_and_prefills
         answers = dict(
             _supports_varlen_paged_mqa_logits=lambda: varlen,
             _supports_flattened_device_query_lens=lambda: not varlen,
@@ -336,7 +314,7 @@ class Builder:
         )
         if self.device.type == "cpu":
             answers["has_deep_gemm"] = lambda: False
-        if padded:
+        if self.backend.nonuniform == "padded":
             answers["split_decodes_and_prefills"] = lambda common, **kw: split(
                 common, **kw | dict(require_uniform=False)
             )
@@ -353,8 +331,7 @@ class Builder:
 
     def built(self, common):
         """The indexer's and the tail's metadata by vLLM's builders (the
-        tail's ``CommonAttentionMetadata``: its own KV cache group's block
-        table, one block a request, and slot mapping)."""
+        tail's: its own group's block table, a block a request, and slots)."""
         tail = replace(
             common,
             block_table_tensor=self.tail_table[: common.num_reqs],
@@ -386,20 +363,18 @@ class Builder:
                 **more,
             )
 
-        tail = split(
-            next((i for i, x in enumerate(q) if x > 1), reqs),
-            positions=pos,
-            slot_mapping=meta.compute_kpool_tail_slot_mapping(
-                torch.full_like(out.tail[:tokens], -1),
-                self.tail_table[:reqs],
-                common.query_start_loc,
-                pos,
-                tokens,
-                reqs,
-                geo.ring,
-                out=out.tail[:tokens],
-            ),
+        tail_slots = meta.compute_kpool_tail_slot_mapping(
+            torch.full_like(out.tail[:tokens], -1),
+            self.tail_table[:reqs],
+            common.query_start_loc,
+            pos,
+            tokens,
+            reqs,
+            geo.ring,
+            out=out.tail[:tokens],
         )
+        ones = next((i for i, x in enumerate(q) if x > 1), reqs)
+        tail = split(ones, positions=pos, slot_mapping=tail_slots)
         indexer = split(
             decodes,
             slot_mapping=out.slots[:tokens],
@@ -481,14 +456,12 @@ class Builder:
         self, batch: Batch, *, rows: int, full=False, pad_reqs=0, tail_split="indexer"
     ):
         """One step's forward inputs for ``rows`` hidden rows: ``metadata``
-        (indexer, tail and MLA entries), ``positions``, the ``tokens`` it
-        covers, ``kind``, decode ``layout``, the CUDA graph ``key`` and the
-        ``host`` values a FULL graph's capture bakes in. ``full``: a FULL
-        graph batch, padded with ``pad_reqs`` null requests of its ``q_len``,
-        with capture-time ``max_seq_len``; its key names every host value
-        (vLLM keys by token count because its ``q_len`` is fixed per
-        deployment; this batch cycles ``next_n``). ``tail_split="indexer"``:
-        the tail metadata split as the indexer's."""
+        (indexer, tail and MLA), ``positions``, ``tokens``, ``kind``, decode
+        ``layout``, the CUDA graph ``key`` and the ``host`` values a FULL
+        capture bakes in. ``full``: padded with ``pad_reqs`` null requests of
+        its ``q_len``, capture-time ``max_seq_len``, a key naming every host
+        value (vLLM's ``q_len`` is fixed; this one cycles ``next_n``).
+        ``tail_split="indexer"``: the tail metadata split as the indexer's."""
         geo = self.geo
         q_pad = batch.items[0].q_len if full else 0
         items = [(i.start, i.q_len, i.req) for i in batch.items]
@@ -527,23 +500,13 @@ class Builder:
         self.put(self.tail_table, tails)
         indexer, tail = (self.built if VLLM_BUILDERS else self.laid)(common)
         if tail_split == "indexer":
-            split = ("num_decodes", "num_decode_tokens", "num_prefills")
-            tail = replace(
-                tail,
-                **{k: getattr(indexer, k) for k in split},
-                num_prefill_tokens=indexer.num_prefill_tokens,
-            )
+            split = "num_decodes num_decode_tokens num_prefills num_prefill_tokens"
+            tail = replace(tail, **{k: getattr(indexer, k) for k in split.split()})
         decodes, layout, d = indexer.num_decodes, "none", indexer.decode
         if d is not None:
-            layout = (
-                "varlen"
-                if d.indices is not None
-                else "padded"
-                if d.requires_padding
-                else "native"
-                if d.seq_lens.shape[0] == decodes
-                else "flat"
-            )
+            layout = "varlen" if d.indices is not None else "padded"
+            if d.indices is None and not d.requires_padding:
+                layout = "native" if d.seq_lens.shape[0] == decodes else "flat"
         self.put(self.req_ids, req_ids)
         mla = SparseMLACommonMetadata(
             num_reqs=reqs,
@@ -564,7 +527,7 @@ class Builder:
         for names in geo.prefixes:
             metadata.update(zip(names, (indexer, tail, mla), strict=True))
         host = (rows, tokens, tuple(q_lens), decodes, max_seq, tail.num_decodes, layout)
-        return SimpleNamespace(
+        return NS(
             metadata=metadata,
             positions=self.positions[:rows],
             rows=rows,
@@ -572,5 +535,5 @@ class Builder:
             tokens=tokens,
             layout=layout,
             key=(reqs, q_pad, layout) if full else (rows,),
-            kind="decode" if decodes == reqs else "mixed" if decodes else "prefill",
+            kind=kind_of(decodes, reqs),
         )

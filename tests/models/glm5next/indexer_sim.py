@@ -1,16 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The indexer simulator: GLM-5-Next's patched ``sparse_attn_indexer_kpool``
-and the sparse MLA top-k conversion run as serving runs them, the
-``dsa_kpool`` stage against stock, every byte a step leaves: ``Run`` step
-after step (eager, FULL and piecewise graphs, two stages, streams held
-back), ``Bench`` one step of one layer (the CPU routing tests).
-
-Metadata: vLLM's own builders (``indexer_batches``). DeepGEMM's scores are
-the simulator's own: vLLM's torch ones (``rocm_aiter_mla_sparse.py``) take
-no MX scales nor a query scale, read a ``next_n > 1`` cache as per-token
-rows, give prefill rows absolute key columns and ``-inf`` past a row's end
-(here ``PAST_END``, which a top-k that read it would pick)."""
+and the sparse MLA top-k conversion as serving runs them, the ``dsa_kpool``
+stage against stock, every byte a step leaves: ``Run`` step after step
+(eager, FULL and piecewise graphs, two stages, streams held back), ``Bench``
+one step of one layer (the CPU routing tests); metadata from
+``indexer_batches``. DeepGEMM's scores are the simulator's own (vLLM's torch
+ones take no MX or query scales, read a ``next_n > 1`` cache per token and
+give ``-inf`` past a row's end: ``PAST_END`` here, which a top-k that read
+it would pick)."""
 
 import contextlib
 import importlib.util
@@ -23,8 +21,9 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace as NS
 from unittest import mock
 
+import indexer_batches as batches
 import torch
-from indexer_batches import BACKENDS, Backend, Builder, Geometry, Scheduler, Workload
+from indexer_batches import BACKENDS, POOL, Backend, D, Geometry, Workload
 from select_contract import contract_topk
 
 from vllm.compilation import breakable_cudagraph as breakable
@@ -55,7 +54,6 @@ from vllm.v1.attention.backends.mla import flashinfer_mla_sparse_sm90 as fi_sm90
 from vllm.v1.attention.backends.mla import flashmla_sparse, sparse_utils
 from vllm.v1.attention.backends.mla import index_group as groups
 
-POOL, D = 4, 128
 # Written over every buffer a layer's step may write, before it: no result
 # is ever -7, so a byte left as it was shows.
 POISON = -7
@@ -66,22 +64,14 @@ STOCK_EXPAND = kpool_ops.expand_pools_and_append_tail
 STOCK_UPCAST = stock_layers.as_fp32_logits
 STOCK_CONVERT = sparse_utils.triton_convert_req_index_to_global_index
 STOCK_MX = deep_gemm.mqa_logits_use_mx_scales
-KERNELS = dict(
-    update=kpool.UPDATE,
-    expand=kpool.EXPAND,
-    remap=kpool.REMAP,
-    upcast=kpool.UPCAST,
-    select=kpool.SELECT,
-    scores=scores_launch.SCORES,
-)
-StageRegistry = install.StageRegistry
+KERNELS = dict(update=kpool.UPDATE, expand=kpool.EXPAND, remap=kpool.REMAP)
+KERNELS |= dict(upcast=kpool.UPCAST, select=kpool.SELECT, scores=scores_launch.SCORES)
 
 # --- References --------------------------------------------------------------
 
 
 def _scale(raw: torch.Tensor, mx: bool) -> torch.Tensor:
-    """Per-32-block float64 factors ``[..., 4]`` of four scale bytes: UE8M0
-    exponents with MX, else one FP32."""
+    """Per-32-block float64 factors of four scale bytes: UE8M0 with MX, else FP32."""
     if mx:
         return torch.pow(2.0, raw.double() - 127.0)
     return raw.contiguous().view(torch.float32).double().expand(*raw.shape[:-1], 4)
@@ -113,12 +103,11 @@ def _logits(q, q_scale, weights, width: int, ends, gather, mx: bool):
 
 
 def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
-    """DeepGEMM's ``fp8_fp4_paged_mqa_logits``: ``q = (values [B, next_n,
-    H, D], MX scales or None)``, ``kv_cache [blocks, page, D + 4]`` uint8 (a
-    page's values, then its scales), ``lens [B, next_n]`` in pools,
-    ``tables`` per request or per row; ``[B * next_n, max_model_len]``
-    logits, BF16 with MX scales (SM100) else FP32. ``dtype`` and ``pad``
-    (row stride) override."""
+    """DeepGEMM's ``fp8_fp4_paged_mqa_logits``: ``q = (values [B, next_n, H,
+    D], MX scales or None)``, ``kv_cache [blocks, page, D + 4]`` uint8 (a
+    page's values, then its scales), ``lens [B, next_n]`` in pools, ``tables``
+    per request or per row; BF16 logits with MX scales (SM100), else FP32
+    (``dtype`` overrides; ``pad``: row stride past ``max_model_len``)."""
     values, q_scale = q
     rows, (blocks, page) = values.shape[0] * values.shape[1], kv_cache.shape[:2]
     flat = kv_cache.reshape(blocks, -1)
@@ -130,16 +119,9 @@ def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
         ids, slots = table[sl][:, cols // page].long(), cols % page
         return keys[ids, slots], scales[ids, slots]
 
-    width, mx = kw["max_model_len"], q_scale is not None
-    out = _logits(
-        values.reshape(rows, -1, D),
-        q_scale,
-        weights,
-        width,
-        lens.reshape(-1)[:rows],
-        gather,
-        mx,
-    )
+    width, mx, ends = kw["max_model_len"], q_scale is not None, lens.reshape(-1)
+    values = values.reshape(rows, -1, D)
+    out = _logits(values, q_scale, weights, width, ends[:rows], gather, mx)
     dtype = kw.get("dtype") or (torch.bfloat16 if mx else torch.float32)
     shape = (rows, width + kw.get("pad", 0))
     return torch.empty(shape, dtype=dtype, device=out.device)[:, :width].copy_(out)
@@ -147,8 +129,7 @@ def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
 
 def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
     """DeepGEMM's ``fp8_fp4_mqa_logits`` (prefill): row ``i`` scores keys
-    ``[ks[i], ke[i])`` of the gathered ``kv = (values [N, D], scales [N])``
-    from column 0."""
+    ``[ks[i], ke[i])`` of ``kv = (values [N, D], scales [N])`` from column 0."""
     (values, q_scale), (k_values, k_scales) = q, kv
     raw = k_scales.contiguous().view(torch.uint8).view(-1, 4)
 
@@ -163,9 +144,9 @@ def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
 
 def deep_gemm_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
     """DeepGEMM's own ``fp8_fp4_paged_mqa_logits`` (SM90: FP32 scales, no
-    ``indices``), with its schedule for this GPU (the kernel-only shim's
-    laid metadata carries none): on CUDA, the stock scores that
-    ``kpool_scores`` is compared with."""
+    ``indices``) with its schedule for this GPU (the kernel-only shim's laid
+    metadata carries none): on CUDA, the stock scores ``kpool_scores`` is
+    compared with."""
     if q[1] is not None or kw.get("indices") is not None:
         raise ValueError("deep_gemm_logits: SM90's call (no MX scales, no indices)")
     arguments = dict(q=q, kv_cache=kv_cache, weights=weights, seq_lens=lens)
@@ -202,9 +183,8 @@ def stable_decode_topk(backend=None):
 
 
 def contract_decode_topk(backend=None):
-    """``get_indexer_topk(backend)`` where the select is compared with it:
-    ``contract_topk``'s set, each row's valid ids reversed (stock's order
-    is its own), so rows compare as sets."""
+    """``get_indexer_topk(backend)`` beside the select: ``contract_topk``'s
+    set, each row's ids reversed (stock's order is its own; rows compare as sets)."""
 
     def topk(logits, seq_lens, next_n, out, k, max_seq_len):
         ids = contract_topk(logits, seq_lens.reshape(-1).to(torch.int32), k)
@@ -283,7 +263,7 @@ def mx_scales(patch, flag: bool, *modules) -> None:
 
 class Fake:
     """A CUDA stream or event on the CPU: each use (``wait_event``,
-    ``record``, ...) recorded in ``log`` with the names of its arguments."""
+    ``record``, ...) logged with the names of its arguments."""
 
     def __init__(self, log: list, name: str):
         self.log, self.name = log, name
@@ -305,6 +285,13 @@ def kernel_name(key) -> str:
     return next(n for n, k in KERNELS.items() if isinstance(key, k.CompileKey))
 
 
+def stock_convert(req_ids, table, logical, block, stride, counts, **out):
+    """Stock's conversion of ``logical`` top-k rows to physical MLA rows."""
+    sizes = dict(BLOCK_SIZE=block, BLOCK_STRIDE_ROWS=stride)
+    sizes |= dict(NUM_TOPK_TOKENS=logical.shape[1], return_valid_counts=counts)
+    return STOCK_CONVERT(req_ids, table, logical, **sizes, **out)
+
+
 def twin(name: str, key, *args) -> None:
     """Writes what the executor of ``key`` would, by the stock twin."""
     if name == "update":
@@ -322,16 +309,10 @@ def twin(name: str, key, *args) -> None:
             STOCK_EXPAND(ids, lengths, POOL, seq_offset=offset, out=logical[: len(ids)])
         if name == "remap":
             req_ids, table, out, counts, _ = rest
-            STOCK_CONVERT(
-                req_ids,
-                table,
-                logical,
-                BLOCK_SIZE=key.block_size,
-                BLOCK_STRIDE_ROWS=key.stride_rows,
-                NUM_TOPK_TOKENS=out.shape[1],
-                return_valid_counts=key.counts,
-                out=out,
-                valid_counts_out=counts[: len(out)] if key.counts else None,
+            sizes = (key.block_size, key.stride_rows, key.counts)
+            valid = counts[: len(out)] if key.counts else None
+            stock_convert(
+                req_ids, table, logical, *sizes, out=out, valid_counts_out=valid
             )
     elif name == "upcast":
         logits, out, ends, _ = args
@@ -365,13 +346,11 @@ def any_device(names, *tensors, optional=()) -> None:
 
 class Spies:
     """The stage's launches as ``watch`` wraps them: each records
-    ``kernel:<name>`` and its key (``launched``, ``launches``) and, with
-    ``compute`` (the CPU), writes what the executor would by the stock twin.
-    With ``compute``, ``check_devices`` takes CPU tensors, the SM count is an
-    H100's, and every route lands in ``timeline``: the stage's stock
-    fallbacks (``stock:<name>``), the indexer's own expansion
-    (``indexer:expand``), the group's stock conversion (``stock:convert``),
-    hand-overs (``defer``), materializations and the fake streams."""
+    ``kernel:<name>`` and its key (``launched``, ``launches``). With
+    ``compute`` (the CPU) the stock twin writes what the executor would, CPU
+    tensors pass ``check_devices``, the SM count is an H100's, and
+    ``timeline`` gets every route (``stock:<name>`` fallbacks, ``indexer:
+    expand``, ``defer``, materializations, the fake streams)."""
 
     def __init__(self, patch, timeline: list, compute: bool = True):
         self.timeline, self.compute = timeline, compute
@@ -383,18 +362,16 @@ class Spies:
         for kernel in KERNELS.values():
             launch = sys.modules[type(kernel).__module__]
             patch.setattr(launch, "check_devices", any_device)
-        for module in (
-            stage_module,
-            sys.modules[type(kpool.SELECT).__module__],
-            scores_launch,
-        ):
+        select = sys.modules[type(kpool.SELECT).__module__]
+        for module in (stage_module, select, scores_launch):
             patch.setattr(module, "sm_count", lambda index: 132)
         update = "kpool_decode_update_and_maybe_write_cache_batched"
+        expand = "expand_pools_and_append_tail"
         for name, module, label in (
             (update, stage_module, "stock:update"),
             ("as_fp32_logits", stage_module, "stock:upcast"),
-            ("expand_pools_and_append_tail", stage_module, "stock:expand"),
-            ("expand_pools_and_append_tail", kpool_ops, "indexer:expand"),
+            (expand, stage_module, "stock:expand"),
+            (expand, kpool_ops, "indexer:expand"),
             ("triton_convert_req_index_to_global_index", groups, "stock:convert"),
         ):
             patch.setattr(module, name, self.logged(label, getattr(module, name)))
@@ -410,8 +387,7 @@ class Spies:
         return wrapper
 
     def watch(self, stage) -> None:
-        """Wraps what ``stage``'s warmup compiled, its hand-overs and
-        materializations."""
+        """Wraps ``stage``'s compiled executors, hand-overs, materializations."""
         for key, executor in list(stage.executors.items()):
             name = kernel_name(key)
             self.compiled[name].add(key)
@@ -450,10 +426,9 @@ def ints(shape, device) -> torch.Tensor:
 
 class Sim:
     """One configuration: geometry, backend path, device, the initial caches
-    (an index cache of finite FP8 keys scaled ``2^-12 .. 2^-5``, MX: four
-    equal UE8M0 bytes, as the update writes them) and inputs every model
-    reads, the scheduler and the metadata builder (``deep_gemm``: the
-    decode rows DeepGEMM's own scores take)."""
+    (FP8 keys scaled ``2^-12 .. 2^-5``; MX: four equal UE8M0 bytes, as the
+    update writes them), the inputs every model reads, the scheduler and the
+    metadata builder (``deep_gemm``: the rows DeepGEMM's own scores take)."""
 
     def __init__(
         self, geo, backend, device, seed: int, timeline=None, work=None, deep_gemm=False
@@ -461,8 +436,8 @@ class Sim:
         self.geo, self.backend, self.device = geo, backend, torch.device(device)
         self.timeline = [] if timeline is None else timeline
         self.gen = g = torch.Generator(self.device).manual_seed(seed)
-        self.sched = Scheduler(geo, work or Workload(), random.Random(seed))
-        self.builder = Builder(geo, backend, self.device, deep_gemm)
+        self.sched = batches.Scheduler(geo, work or Workload(), random.Random(seed))
+        self.builder = batches.Builder(geo, backend, self.device, deep_gemm)
         dev, n, t, page = self.device, geo.layers, geo.max_tokens, geo.page
         blocks = geo.num_blocks
         self.kv = []
@@ -506,13 +481,11 @@ class Sim:
 class Model:
     """One engine's DSA layers on ``sim``: ``module`` the indexer it runs,
     ``kpool`` its ``SPECIALIZED_KPOOL`` (None: stock), ``options`` how it
-    converts (``counts``, ``layer_index``, ``block_stride_rows``; ``consume(
-    model, layer, logical, mla)``: a backend's own decode), ``hold`` GPU
-    cycles each stream is held back at each hand-off, ``between(layer)``
-    what runs between a layer's indexer and its conversion. Per layer an
-    index group (``SparseMLAIndexGroupBuilder``'s rows: decode rows + 1) and
-    ``snaps``: what its consumer saw (logical buffer, physical rows, counts;
-    ``flags``: deferred, the rows converted)."""
+    converts (``counts``, ``layer_index``, ``block_stride_rows``, ``consume(
+    model, layer, logical, mla)``), ``hold`` GPU cycles a stream is held back
+    at a hand-off, ``between(layer)`` what runs between a layer's indexer and
+    its conversion. Per layer an index group (decode rows + 1) and ``snaps``:
+    what its consumer saw (``flags``: deferred, the rows converted)."""
 
     def __init__(
         self, sim: Sim, name: str, *, module=None, impl=None, capacity=None, bound=True
@@ -527,6 +500,7 @@ class Model:
         self.hidden = torch.zeros((t, 8), dtype=torch.bfloat16, device=dev)
         self.forwards = torch.zeros(1, dtype=torch.int64, device=dev)
         rows = (geo.capacity if capacity is None else capacity) + 1
+        snap = dict(logical=(t, w), physical=(t, w), counts=(t,), flags=(2,))
 
         def event(name: str):  # the stock event on CUDA, a ``Fake`` on the CPU
             return groups._create_event() if cuda else Fake(log, name)
@@ -545,14 +519,7 @@ class Model:
             group.register_layer()
             source = vars(sim.source).items()
             self.inputs.append(NS(**{k: v[0].clone() for k, v in source}))
-            self.snaps.append(
-                NS(
-                    logical=ints((t, w), dev),
-                    physical=ints((t, w), dev),
-                    counts=ints((t,), dev),
-                    flags=ints((2,), dev),
-                )
-            )
+            self.snaps.append(NS(**{k: ints(s, dev) for k, s in snap.items()}))
             if impl is None:  # no method of it runs: what the stage reads of one
                 cls = IMPLS[sim.backend.convert]
                 made = cls.__new__(cls)
@@ -564,21 +531,17 @@ class Model:
             mla_kv = torch.empty(shape, dtype=torch.uint8, device=dev)[:, : geo.block]
             mla_kv = mla_kv if bound else None
             mla = NS(impl=impl(group) if impl else made, kv_cache=mla_kv)
-            self.groups.append(group)
-            self.attentions.append(
-                NS(
-                    indexer=NS(
-                        k_cache=NS(prefix=k_prefix, kv_cache=self.kv[layer]),
-                        tail_cache=NS(prefix=tail_prefix, kv_cache=self.tail[layer]),
-                        topk_indices_buffer=self.buffer,
-                        topk_tokens=geo.topk,
-                        scale_fmt=geo.scale_fmt,
-                        max_pool_len=geo.max_pool_len,
-                        n_head=geo.index_heads or geo.heads,
-                    ),
-                    mla_attn=NS(mla_attn=mla),
-                )
+            indexer = NS(
+                k_cache=NS(prefix=k_prefix, kv_cache=self.kv[layer]),
+                tail_cache=NS(prefix=tail_prefix, kv_cache=self.tail[layer]),
+                topk_indices_buffer=self.buffer,
+                topk_tokens=geo.topk,
+                scale_fmt=geo.scale_fmt,
+                max_pool_len=geo.max_pool_len,
+                n_head=geo.index_heads or geo.heads,
             )
+            self.groups.append(group)
+            self.attentions.append(NS(indexer=indexer, mla_attn=NS(mla_attn=mla)))
 
     def active(self):
         """This model's ``SPECIALIZED_KPOOL`` in its indexer module."""
@@ -593,14 +556,13 @@ class Model:
         return self
 
     def forward(self, fwd) -> None:
-        """Every DSA layer's step (graph-capturable but for the indexer and
-        the conversion, eager breaks): the layer's inputs copied in, every
-        buffer it writes poisoned, its step."""
+        """Every DSA layer's step (the indexer and conversion: eager breaks)."""
         for layer in range(self.sim.geo.layers):
             self.forward_layer(fwd, layer)
         self.forwards += 1  # the model's work after the last break (its head)
 
     def forward_layer(self, fwd, layer: int) -> None:
+        """The layer's inputs copied in, what it writes poisoned, its step."""
         x, group = self.inputs[layer], self.groups[layer]
         for name, buffer in vars(x).items():
             buffer[: fwd.rows].copy_(getattr(self.sim.source, name)[layer, : fwd.rows])
@@ -651,15 +613,8 @@ class Model:
                 return_valid_counts=counts,
             )
         else:
-            out = STOCK_CONVERT(
-                mla.req_id_per_token[:rows],
-                mla.block_table,
-                logical,
-                BLOCK_SIZE=mla.block_size,
-                BLOCK_STRIDE_ROWS=stride,
-                NUM_TOPK_TOKENS=logical.shape[1],
-                return_valid_counts=counts,
-            )
+            req_ids, table = mla.req_id_per_token[:rows], mla.block_table
+            out = stock_convert(req_ids, table, logical, mla.block_size, stride, counts)
         return out if counts else (out, None)
 
 
@@ -668,38 +623,18 @@ def index(model: Model, layer: int, fwd) -> None:
     """The layer's indexer call (an eager break, as the indexer is), the
     compute stream held back first: a conversion that does not wait for the
     indexer's rows reads the poison."""
-    geo, x, rows = model.sim.geo, model.inputs[layer], fwd.rows
+    geo, x, rows, sim = model.sim.geo, model.inputs[layer], fwd.rows, model.sim
+    k_prefix, tail_prefix, _ = geo.prefixes[layer]
     if model.hold and not torch.cuda.is_current_stream_capturing():
         torch.cuda._sleep(model.hold)
     positions = None if fwd.positions is None else fwd.positions[:rows]
-    model.module.sparse_attn_indexer_kpool(
-        model.hidden[:rows],
-        geo.prefixes[layer][0],
-        model.kv[layer],
-        x.q[:rows],
-        None,
-        x.k[:rows, :D],
-        x.w[:rows],
-        128,
-        geo.scale_fmt,
-        geo.topk,
-        D,
-        geo.max_pool_len,
-        geo.max_reqs * geo.max_pool_len,
-        model.buffer,
-        False,
-        False,
-        x.gate[:rows],
-        model.sim.ape[layer],
-        POOL,
-        positions,
-        model.tail[layer],
-        geo.prefixes[layer][1],
-        "torch",
-        0,
-        1,
-        1,
-    )
+    # ``sparse_attn_indexer_kpool``'s arguments, in its order.
+    inputs = (model.hidden[:rows], k_prefix, model.kv[layer], x.q[:rows], None)
+    inputs += (x.k[:rows, :D], x.w[:rows], 128, geo.scale_fmt, geo.topk, D)
+    inputs += (geo.max_pool_len, geo.max_reqs * geo.max_pool_len, model.buffer)
+    inputs += (False, False, x.gate[:rows], sim.ape[layer], POOL, positions)
+    inputs += (model.tail[layer], tail_prefix, "torch", 0, 1, 1)
+    model.module.sparse_attn_indexer_kpool(*inputs)
 
 
 @breakable.eager_break_during_capture
@@ -741,12 +676,11 @@ def context(fwd, mode=CUDAGraphMode.NONE, metadata="step", dummy_run=False):
 def build_stage(
     model: Model, registry, *, max_rows=None, select=False, scores=False, warm=True
 ):
-    """``model``'s stage as ``install()`` builds it and the JIT warmup turns
-    it on: a ``KpoolStage`` added to ``registry`` (a ``StageRegistry``: the
-    model's ``SPECIALIZED_KPOOL``) by its top-k buffer, then (``warm``) each
-    of its kernels' warmup keys and compile, in the order vLLM's JIT warmup
-    registry takes them, self-check off (it has its own tests). ``select``:
-    ``kpool_select``'s value; ``scores``: ``kpool_scores``'s."""
+    """``model``'s stage as ``install()`` builds it: a ``KpoolStage`` added
+    to ``registry`` (the model's ``SPECIALIZED_KPOOL``) by its top-k buffer,
+    then (``warm``) its kernels' warmup keys compiled as vLLM's JIT warmup
+    does, self-check off. ``select``, ``scores``: ``kpool_select``'s and
+    ``kpool_scores``' values."""
     stage = stage_module.KpoolStage(
         model.attentions,
         model.sim.geo.capacity if max_rows is None else max_rows,
@@ -769,14 +703,9 @@ def build_stage(
 
 # --- Stage against stock ---------------------------------------------------------
 
-FIELDS = (
-    "index cache",
-    "tail cache",
-    "logical top-k",
-    "physical top-k",
-    "counts",
-    "pool ids",
-)
+# What ``differences`` compares, in its order.
+FIELDS = ("index cache", "tail cache", "logical top-k", "physical top-k")
+FIELDS += ("counts", "pool ids")
 
 
 def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False):
@@ -824,8 +753,7 @@ def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False)
 
 
 def flags(stock: Model, where, tokens: int, sets=False) -> list[list[int]]:
-    """``differences`` of each ``(stage model, layer)`` of ``where`` (one
-    sync)."""
+    """``differences`` of each ``(stage model, layer)`` of ``where``, one sync."""
     found = [torch.stack(differences(stock, s, i, tokens, sets)) for s, i in where]
     return torch.stack(found).tolist()
 
@@ -872,8 +800,6 @@ CPU_WORK = Workload(
     phase=1,
     cached=(100, 200),
 )
-
-
 # The opt-in scores' runs: GLM-5-Next's 16 heads as vLLM pads them to 32 for
 # DeepGEMM (the stage scores the 16), pages of 64 pools (256-token blocks;
 # DeepGEMM takes 32 or 64), MLA blocks laid further apart than their rows.
@@ -887,12 +813,8 @@ def scores_reach(cfg) -> bool:
     """Whether the opt-in scores can run on ``cfg``'s backend and geometry."""
     geo = cfg.geo
     heads = scores_launch.served_heads(geo.index_heads or geo.heads)
-    return (
-        not BACKENDS[cfg.backend].mx
-        and heads is not None
-        and heads <= geo.heads
-        and geo.page in scores_launch.BLOCKS
-    )
+    fits = heads is not None and heads <= geo.heads and geo.page in scores_launch.BLOCKS
+    return fits and not BACKENDS[cfg.backend].mx
 
 
 def fuzz_seed() -> int:
@@ -908,16 +830,11 @@ class Config:
     work: Workload = field(default_factory=Workload)
     seed: int = 0
     stages: int = 1  # 2: two engines' stages, their layers interleaved
-    # False (CPU): graph modes run each step eagerly in their forward context
-    # (FULL: padded batch, capture-time metadata; piecewise: padded rows).
+    # False (CPU): graph modes run each step eagerly in their forward context.
     capture: bool = True
     hold_cycles: int = 0  # CUDA: each stream held back at each hand-off
-    # The opt-in select: stock's top-k is contract_topk's set in another
-    # order, and the top-k rows compare as sets.
-    select: bool = False
-    # The opt-in scores (SM90 paths; ``geo`` with heads and pages the kernel
-    # takes, ``SCORES_GEOMETRY``): on CUDA, stock's are DeepGEMM's own.
-    scores: bool = False
+    select: bool = False  # opt-in; stock's top-k: contract_topk's, rows as sets
+    scores: bool = False  # opt-in (SM90, SCORES_GEOMETRY); stock's on CUDA: DeepGEMM
     full_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)  # requests
     piecewise_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
     max_reported: int = 20
@@ -966,12 +883,11 @@ class Report:
 
 
 class Run:
-    """One configuration's models fed the same steps, compared after every
-    step: ``stock`` (``SPECIALIZED_KPOOL = None``) and one or two stage
-    models. With two, each step one leads and, per layer, between its
-    indexer and its conversion the other's whole layer step runs and its
-    pool buffer is poisoned: a stage that read the other's buffer (or
-    hand-off) differs from stock."""
+    """One configuration's models fed the same steps, compared after each:
+    ``stock`` (``SPECIALIZED_KPOOL = None``) and one or two stages. With two,
+    one leads each step and, per layer, between its indexer and conversion
+    the other's layer step runs and its pool buffer is poisoned: a stage that
+    read the other's buffer (or hand-off) differs from stock."""
 
     def __init__(self, cfg: Config, device, patch):
         if cfg.stages not in (1, 2) or (cfg.stages == 2 and cfg.mode != "eager"):
@@ -986,20 +902,16 @@ class Run:
         self.cfg, self.patch, self.device = cfg, patch, torch.device(device)
         cuda = self.device.type == "cuda"
         # CUDA, opted-in scores: stock's are DeepGEMM's (``deep_gemm_logits``).
+        scored, backend = cuda and cfg.scores, BACKENDS[cfg.backend]
         self.sim = Sim(
-            cfg.geo,
-            BACKENDS[cfg.backend],
-            device,
-            cfg.seed,
-            work=cfg.work,
-            deep_gemm=cuda and cfg.scores,
+            cfg.geo, backend, device, cfg.seed, work=cfg.work, deep_gemm=scored
         )
         names = ("stock", "stage", "stage 2")[: 1 + cfg.stages]
         self.sides = [Model(self.sim, name) for name in names]
         for side in self.sides:
             side.hold = cfg.hold_cycles if cuda else 0
         self.spies = Spies(patch, self.sim.timeline, compute=not cuda)
-        self.registry = StageRegistry()  # the stage sides' SPECIALIZED_KPOOL
+        self.registry = install.StageRegistry()  # the stages' SPECIALIZED_KPOOL
         self.graphs, self.hosts, self.stats = {}, {}, Counter()
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.stream = torch.cuda.Stream(self.device) if cuda else None
@@ -1016,7 +928,7 @@ class Run:
         # Stock's scores are DeepGEMM's where ours are compared with its bytes.
         logits = deep_gemm_logits if self.sim.builder.deep_gemm else paged_logits
         references(self.patch, [sparse_indexer], self.device, logits, topk)
-        if self.stream is not None:  # after the initial state's stream
+        if cuda:  # after the initial state's stream
             self.stream.wait_stream(torch.cuda.current_stream())
             stack.enter_context(torch.cuda.stream(self.stream))
         for side in self.sides[1:]:
@@ -1095,9 +1007,7 @@ class Run:
             self.stats["piecewise_replay"] += stage
 
     def interleave(self, other: Model, fwd, layer: int) -> None:
-        """Between a stage's indexer and its conversion of ``layer``: the
-        other stage's whole step of the layer, then its pool buffer
-        poisoned."""
+        """``other``'s step of ``layer``, then its pool buffer poisoned."""
         with other.active(), override_forward_context(context(fwd)):
             other.forward_layer(fwd, layer)
         other.stage.pool_buffer.fill_(POISON)
@@ -1106,12 +1016,9 @@ class Run:
         cfg, sim, s = self.cfg, self.sim, self.stats
         batch = sim.sched.schedule()
         how, rows, pad = self.how(batch)
+        split, full = cfg.work.tail_split, how == "full"
         fwd = sim.builder.build(
-            batch,
-            rows=rows,
-            full=how == "full",
-            pad_reqs=pad,
-            tail_split=cfg.work.tail_split,
+            batch, rows=rows, full=full, pad_reqs=pad, tail_split=split
         )
         sim.fill(rows)
         sim.timeline.clear()
@@ -1190,21 +1097,16 @@ class Step:
 
     def geometry(self) -> Geometry:
         longest = max(c + q for c, q in zip(self.ctx, self.q_lens, strict=True))
-        length = max(512, -(-longest // 64) * 64)
+        fields = ("topk", "key_stride", "scale_fmt", "first_layer", "block")
+        same = {name: getattr(self, name) for name in (*fields, "heads", "index_heads")}
         return Geometry(
             layers=1,
-            block=self.block,
-            heads=self.heads,
-            index_heads=self.index_heads,
-            topk=self.topk,
-            max_model_len=length,
+            max_model_len=max(512, -(-longest // 64) * 64),
             max_reqs=len(self.q_lens) + 2,
             max_tokens=self.tokens + self.pad_rows + 4,
             mla_block_rows=self.stride_rows,
-            key_stride=self.key_stride,
-            scale_fmt=self.scale_fmt,
             buffer_width=self.width,
-            first_layer=self.first_layer,
+            **same,
         )
 
     def backend(self, mx: bool) -> Backend:
@@ -1213,10 +1115,9 @@ class Step:
 
 
 class Bench:
-    """One step of one DSA layer (CPU): ``run`` runs it on the engine (its
-    stage built, warmed up and spied; ``select``, ``scores``: opted in) or
-    another model, ``stock`` on a fresh model of ``stock_module`` (the
-    unpatched indexer), each from the same initial caches and inputs."""
+    """One step of one DSA layer (CPU), from the same caches and inputs each
+    time: ``run`` on the engine (its stage built, warmed up and spied) or
+    another model, ``stock`` on a fresh model of ``stock_module``."""
 
     def __init__(
         self,
@@ -1238,15 +1139,9 @@ class Bench:
         self.batch = None
         self.use(step)
         self.engine = Model(self.sim, "stage", **model)
-        self.registry = StageRegistry() if registry is None else registry
-        build_stage(
-            self.engine,
-            self.registry,
-            max_rows=max_rows,
-            select=select,
-            scores=scores,
-            warm=warm,
-        )
+        self.registry = install.StageRegistry() if registry is None else registry
+        options = dict(max_rows=max_rows, select=select, scores=scores, warm=warm)
+        build_stage(self.engine, self.registry, **options)
         self.stage = self.engine.stage
         spies.watch(self.stage)
 
