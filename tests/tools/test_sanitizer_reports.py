@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``tools/kernel_env/sanitizer_reports.py`` (CPU): a report in our kernels
-is counted as ours and fails; reports only in torch's kernels are said
-apart, named, and do not fail; both at once; errors the summaries count but
-no log prints, a run without a summary.
+"""``tools/kernel_env/sanitizer_reports.py`` and ``sanitize.sh``'s line
+(CPU): a report in our kernels is counted as ours and fails; reports only in
+torch's kernels are said apart, named, and do not fail; both at once; errors
+the summaries count but no log prints, a run without a summary; and
+``sanitize.sh`` end to end with a stand-in ``compute-sanitizer``.
 
 The sample logs follow compute-sanitizer's formats as its users' logs show
 them (a report's line, then indented lines, up to a bare ``=========``):
@@ -30,6 +31,8 @@ Our kernels' names have the form of their CuTe DSL entry names
 the argument suffixes here are made up); torch's are its kernel templates
 as compute-sanitizer demangles them."""
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -341,3 +344,92 @@ def test_the_command_line(tmp_path):
         )
         assert run.returncode == code, run.stderr
         assert run.stdout.count("\n") == 1 and " reported (" in run.stdout
+
+
+# --- sanitize.sh with a stand-in compute-sanitizer ------------------------------
+
+# Prints the canned log of the module it is given, writes a JUnit XML of one
+# passed test where pytest would, and exits as the tool would (99: errors).
+STAND_IN = """\
+#!/usr/bin/env python3
+import os, re, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+logs = Path(os.environ["FAKE_LOGS"])
+(logs / "args.txt").open("a").write(" ".join(args) + "\\n")
+module = Path(next(a for a in args if a.endswith(".py"))).stem
+xml = next(a.split("=", 1)[1] for a in args if a.startswith("--junitxml="))
+Path(xml).write_text('<testsuites><testsuite><testcase classname="m" name="t"/>'
+                     "</testsuite></testsuites>")
+text = (logs / (module + ".log")).read_text()
+print(text, end="")
+sys.exit(99 if re.search(r"SUMMARY: [1-9]|\\([1-9]\\d* errors?", text) else 0)
+"""
+
+
+@pytest.fixture
+def fake_gpu(tmp_path):
+    """A copy of the tools beside a stand-in ``.device`` and a stand-in
+    ``compute-sanitizer`` first on PATH. (``sanitize.sh`` copies the stage
+    to /tmp/kpool-stock: skipped where a real one is there.)"""
+    if os.path.exists("/tmp/kpool-stock"):
+        pytest.skip("/tmp/kpool-stock exists: a GPU tier run's stage")
+    root = tmp_path / "tree"
+    tools = root / "tools/kernel_env"
+    tools.mkdir(parents=True)
+    for name in ("sanitize.sh", "gpu_tier.sh", "sanitizer_reports.py"):
+        shutil.copy2(REPO / "tools/kernel_env" / name, tools / name)
+    (root / ".device/stock").mkdir(parents=True)
+    (root / ".device/env.sh").write_text("true\n")
+    bin_dir, logs = tmp_path / "bin", tmp_path / "logs"
+    bin_dir.mkdir()
+    logs.mkdir()
+    stand_in = bin_dir / "compute-sanitizer"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(0o755)
+    path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent)])
+    env = os.environ | {
+        "PATH": path + os.pathsep + os.environ["PATH"],
+        "FAKE_LOGS": str(logs),
+        "OUT": str(tmp_path / "out"),
+        "KPOOL_SANITIZE_MODULES": "t/test_select.py t/test_scores.py",
+    }
+    yield root, logs, env
+    shutil.rmtree("/tmp/kpool-stock", ignore_errors=True)
+
+
+def sanitize(root: Path, env: dict, *tools: str) -> subprocess.CompletedProcess:
+    script = root / "tools/kernel_env/sanitize.sh"
+    return subprocess.run(
+        [str(script), *tools], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_sanitize_sh_says_torch_apart_and_passes(fake_gpu):
+    root, logs, env = fake_gpu
+    (logs / "test_select.log").write_text(log(summary="ERROR SUMMARY: 0 errors"))
+    reports = log(uninitialized(EQ), summary="ERROR SUMMARY: 1 error")
+    (logs / "test_scores.log").write_text(reports)
+    run = sanitize(root, env, "initcheck")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines()[0] == (
+        "initcheck: 1 error reported (2 of 2 runs summarized): 0 in our "
+        f"kernels, 1 in other kernels [1 {EQ_SHORT}] | pytest: 2 passed, "
+        "0 failed, 0 errors, 0 SKIPPED | exit: 0 99"
+    )
+    args = (logs / "args.txt").read_text()
+    assert "--show-backtrace device" in args and "--print-limit 10000" in args
+
+
+def test_sanitize_sh_fails_on_a_report_in_ours(fake_gpu):
+    root, logs, env = fake_gpu
+    reports = log(uninitialized(SELECT), summary="ERROR SUMMARY: 1 error")
+    (logs / "test_select.log").write_text(reports)
+    (logs / "test_scores.log").write_text(log(summary="ERROR SUMMARY: 0 errors"))
+    run = sanitize(root, env, "memcheck")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.stdout.startswith(
+        "memcheck: 1 error reported (2 of 2 runs summarized): 1 in our kernels "
+        "[1 cutedslselectkernelSelectTopk], 0 in other kernels | pytest: 2 passed"
+    )
