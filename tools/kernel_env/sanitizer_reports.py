@@ -12,10 +12,11 @@ Exits 1 where a report is in our kernels, where a log has no summary (its
 run did not end), where the summaries count errors the logs do not print
 (past ``--print-limit``: whose they are is unknown) or where racecheck
 stopped counting (its hazard limit). A report only in other kernels is said
-apart and does not fail: it is that kernel's, or the test's reading bytes
-no kernel wrote; a byte our kernel leaves unwritten fails the tests, which
-compare every byte it may write, in buffers of random bytes, with stock's.
-Standard library only: it runs on the GPU machine without vLLM.
+apart and does not fail: it is that kernel's, or a comparison reading bytes
+no kernel wrote, which the tests keep to an output our kernel allocated and
+should have written, where comparing it with stock's bytes fails the test
+too (docs/gpu-tier.md). Standard library only: it runs on the GPU machine
+without vLLM.
 
 The formats (CUDA 11 to 13): each line of the tool starts with
 ``=========``; a report is a line at the left, then indented lines (``at
