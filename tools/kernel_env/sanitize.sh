@@ -12,14 +12,20 @@
 #
 # Each tool runs one pytest per kernel test module (MODULES), drawing fewer
 # fuzz cases where the tool is slow (CASES), each run bounded (BOUND, seconds)
-# so that it ends with the tool's own summary. Prints one line per tool: the
-# errors it reported, the tests' outcome (gpu_tier.sh --summarize), each
-# run's exit status (124: out of its bound). KPOOL_SANITIZE_K selects tests
-# (pytest -k, default "not graph and not deepgemm": DeepGEMM's kernels are
-# stock's, not ours); KPOOL_SANITIZE_MODULES overrides the
-# modules, KPOOL_SANITIZE_BOUND every run's bound. Logs and JUnit XML go
-# to $OUT (else a new /tmp dir). Exits non-zero if a tool reported an
-# error, a test failed or a run did not end.
+# so that it ends with the tool's own summary. Prints one line per tool
+# (sanitizer_reports.py): the errors the summaries count, how many are in
+# our kernels and how many in other kernels (torch's, DeepGEMM's), naming
+# the kernels with the most; then the tests' outcome (gpu_tier.sh
+# --summarize) and each run's exit status (99: the tool reported errors;
+# 124: out of its bound). KPOOL_SANITIZE_K selects tests (pytest -k,
+# default "not graph and not deepgemm": DeepGEMM's kernels are stock's,
+# not ours); KPOOL_SANITIZE_MODULES overrides the modules,
+# KPOOL_SANITIZE_BOUND every run's bound, KPOOL_SANITIZE_PRINT_LIMIT the
+# reports a run prints (default 10000; 0: all). Logs and JUnit XML go to
+# $OUT (else a new /tmp dir). Exits non-zero if a report is in our kernels,
+# if errors went unprinted (whose kernels they are is unknown), if a test
+# failed or if a run did not end; reports only in other kernels are said
+# apart and do not fail it.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 d=tests/models/glm5next/specialized_decode
@@ -27,6 +33,7 @@ MODULES=${KPOOL_SANITIZE_MODULES:-"$d/test_update.py $d/test_expand.py $d/test_r
 declare -A CASES=([memcheck]=16 [synccheck]=16 [initcheck]=6 [racecheck]=2)
 declare -A BOUND=([memcheck]=90 [synccheck]=90 [initcheck]=90 [racecheck]=180)
 bound=${KPOOL_SANITIZE_BOUND:-}
+print_limit=${KPOOL_SANITIZE_PRINT_LIMIT:-10000}
 case ${1:-} in -h | --help) sed -n '5,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;; esac
 tools=("$@")
 [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck initcheck synccheck)
@@ -42,25 +49,28 @@ logs=${OUT:-$(mktemp -d /tmp/kpool-sanitize.XXXXXX)}
 mkdir -p "$logs"
 status=0
 for tool in "${tools[@]}"; do
-  errors=0 runs=0 summarized=0 codes="" xmls=()
+  codes="" runs=() xmls=()
   # shellcheck disable=SC2086
   for module in $MODULES; do
     name="$tool-$(basename "$module" .py)"
     # API errors are off: cuda-python probes driver entry points that do not
-    # exist (cuGetProcAddress), which is not a kernel's memory error.
+    # exist (cuGetProcAddress), which is not a kernel's memory error. Device
+    # backtraces only: the device frames name the kernel, and host frames
+    # would make a log of many reports large.
     KPOOL_FUZZ_CASES=${CASES[$tool]} timeout "${bound:-${BOUND[$tool]}}" compute-sanitizer \
-      --tool "$tool" --report-api-errors no --print-limit 20 --error-exitcode 99 \
+      --tool "$tool" --report-api-errors no --print-limit "$print_limit" \
+      --show-backtrace device --error-exitcode 99 \
       python3 -m pytest -q -p no:cacheprovider "$module" -m "gpu and not stock_topk" \
       -k "${KPOOL_SANITIZE_K:-not graph and not deepgemm}" --junitxml="$logs/$name.xml" >"$logs/$name.log" 2>&1
     rc=$?
-    summary=$(grep -hE "(ERROR|RACECHECK) SUMMARY" "$logs/$name.log" | tail -1)
-    found=$(grep -oE "[0-9]+ errors?" <<<"$summary" | tr -dc 0-9)
-    [ -n "$summary" ] && summarized=$((summarized + 1)) && errors=$((errors + ${found:-0}))
-    runs=$((runs + 1)) codes="$codes $rc" xmls+=("$logs/$name.xml")
-    [ "$rc" -eq 0 ] && [ -n "$summary" ] || status=1
+    # 99 is the tool's errors, which sanitizer_reports.py attributes; any
+    # other failure (124: out of its bound) fails the run.
+    [ "$rc" -eq 0 ] || [ "$rc" -eq 99 ] || status=1
+    codes="$codes $rc" runs+=("$logs/$name.log") xmls+=("$logs/$name.xml")
   done
+  reports=$(python3 "$here/sanitizer_reports.py" "${runs[@]}") || status=1
   tests=$("$here/gpu_tier.sh" --summarize "${xmls[@]}") || status=1
-  echo "$tool: $errors errors reported ($summarized of $runs runs summarized) | pytest: $tests | exit:$codes"
+  echo "$tool: $reports | pytest: $tests | exit:$codes"
 done
 echo "sanitize.sh: logs in $logs"
 exit $status

@@ -920,7 +920,9 @@ def test_attention_over_the_select_equals_stock(stock_topk, op):
         ends = torch.randint(K + 1, width + 1, (rows,), device="cuda", generator=gen)
         ends[0] = width
         ends = ends.to(I32)
-        stock = torch.empty(rows, K, dtype=I32, device="cuda")
+        # Random bytes, as _runs' outputs: an id stock leaves unwritten
+        # cannot pass as one it wrote.
+        stock = cases.poisoned((rows, K), I32, gen)
         stock_topk(logits.device, op)(logits, ends, stock, K, width)
         ours = SELECT(logits=logits, ends=ends, k=K)
         assert torch.equal(torch.sort(stock, dim=1).values, ours), (rows, width)
