@@ -242,14 +242,9 @@ def select_keys(rows: int, width: int) -> set:
     }
 
 
-@pytest.mark.parametrize("one_wave", [False, True], ids=["every-batch", "one-wave"])
-@pytest.mark.parametrize("width", [65536, 262144])
-@pytest.mark.parametrize("max_rows", [8, 70])
-def test_select_keys_are_each_row_count_it_runs(width, max_rows, one_wave):
-    """The select's keys are those of every row count from 1 to the stage's
-    rows; with ``kpool_select="one_wave"`` of those whose clusters fit one
-    wave (``LayerStep.selected`` runs no other): 1-66 rows at 65536 pools,
-    1-16 at 262144, on 132 SMs."""
+def select_values(width: int, max_rows: int, one_wave: bool) -> dict:
+    """The select's warmup values ``deployment_values`` derives for a stage
+    of ``max_rows`` rows on 132 SMs and one layer of ``width`` pools."""
     stage = SimpleNamespace(
         mx_scales=False,
         select=True,
@@ -259,11 +254,22 @@ def test_select_keys_are_each_row_count_it_runs(width, max_rows, one_wave):
         select_one_wave=one_wave,
         scores=False,
     )
-    values = dict(
+    return dict(
         (kernel, v)
         for kernel, v in warmup.deployment_values(stage, [_layer(width)])
         if kernel is SELECT
     )[SELECT]
+
+
+@pytest.mark.parametrize("one_wave", [False, True], ids=["every-batch", "one-wave"])
+@pytest.mark.parametrize("width", [65536, 262144])
+@pytest.mark.parametrize("max_rows", [8, 70])
+def test_select_keys_are_each_row_count_it_runs(width, max_rows, one_wave):
+    """The select's keys are those of every row count from 1 to the stage's
+    rows; with ``kpool_select="one_wave"`` of those whose clusters fit one
+    wave (``LayerStep.selected`` runs no other): 1-66 rows at 65536 pools,
+    1-16 at 262144, on 132 SMs."""
+    values = select_values(width, max_rows, one_wave)
     assert values == dict(
         max_rows=max_rows,
         one_wave_only=one_wave,
@@ -285,20 +291,7 @@ def test_select_warms_a_full_batch_at_every_cluster_threshold(width):
     without its key would run stock's top-k and not be batch-invariant."""
     thresholds = []
     for max_rows in range(1, 90):
-        stage = SimpleNamespace(
-            mx_scales=False,
-            select=True,
-            fuse=True,
-            max_rows=max_rows,
-            sms=132,
-            select_one_wave=False,
-            scores=False,
-        )
-        values = dict(
-            (kernel, v)
-            for kernel, v in warmup.deployment_values(stage, [_layer(width)])
-            if kernel is SELECT
-        )[SELECT]
+        values = select_values(width, max_rows, one_wave=False)
         keys = set(SELECT.get_warmup_keys(**values))
         assert keys == select_keys(max_rows, width), max_rows
         if max_rows > 1 and not select_keys(max_rows - 1, width) >= keys:
