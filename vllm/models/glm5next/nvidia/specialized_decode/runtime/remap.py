@@ -119,9 +119,13 @@ class FusedRemap:
             # them; the side stream of the stock conversion waits on it).
             self.stage.materialize(pending, logical)
             self.group.set_logical_topk_ready(layer_index)
-        flags = dict(block_stride_rows=block_stride_rows)
-        flags["return_valid_counts"] = return_valid_counts
-        return stock(layer_index, logical, *mapping, **flags)
+        return stock(
+            layer_index,
+            logical,
+            *mapping,
+            block_stride_rows=block_stride_rows,
+            return_valid_counts=return_valid_counts,
+        )
 
     def fused(
         self, pending, rows, req_ids, block_table, block_size, stride_rows, counts
@@ -131,12 +135,19 @@ class FusedRemap:
         group = self.group
         if rows > group.physical_topk_indices.shape[0]:
             return None
-        arguments = dict(pool_ids=pending.pool_ids, positions=pending.positions)
-        arguments |= dict(pool_size=POOL, req_ids=req_ids, block_table=block_table)
-        arguments["out"] = group.physical_topk_indices[:rows]
-        arguments["counts"] = group.valid_topk_counts[:rows] if counts else None
-        arguments |= dict(block_size=block_size, stride_rows=stride_rows)
-        arguments |= dict(seq_offset=1, int32_lengths=True)
+        arguments = dict(
+            pool_ids=pending.pool_ids,
+            positions=pending.positions,
+            pool_size=POOL,
+            req_ids=req_ids,
+            block_table=block_table,
+            out=group.physical_topk_indices[:rows],
+            counts=group.valid_topk_counts[:rows] if counts else None,
+            block_size=block_size,
+            stride_rows=stride_rows,
+            seq_offset=1,
+            int32_lengths=True,
+        )
         # The kernel's call in its two halves (``kernel_launcher``'s): the
         # spec decides before the side stream is ordered, so that a refused
         # or unchecked key leaves the streams as stock's conversion finds them.
