@@ -165,8 +165,13 @@ class Scheduler:
             or (len(self.running) < self.target and rng.random() < work.arrival)
         ):
             low, high = work.prompt
-            if low <= geo.topk < high and rng.random() < 0.5:  # within the top-k
-                high = geo.topk
+            if low <= geo.topk < high:
+                # The first prompt past the top-k, so that every run, however
+                # short, selects; later ones within it half the time.
+                if not self.rids:
+                    low = geo.topk + 1
+                elif rng.random() < 0.5:
+                    high = geo.topk
             prompt = rng.randint(low, high)
             limit = geo.max_model_len - prompt - geo.spec - 1
             output = max(1, min(rng.randint(*work.output), limit))

@@ -82,3 +82,14 @@ def test_laid_metadata_is_what_vllm_builds(monkeypatch, name, deep_gemm):
     assert found == [], found[:5]
     if deep_gemm:  # both layouts reached, DeepGEMM's next_n only
         assert layouts >= {"padded", "flat"} and widths <= {1, 2, 4}, (layouts, widths)
+
+
+@pytest.mark.parametrize("geo", [Geometry(), Geometry(topk=128, max_reqs=4)])
+def test_every_run_selects(geo):
+    """A run's first prompt is past the top-k, however few steps it takes:
+    a short GPU run whose contexts all stayed within it would select
+    nothing, and its stage would launch neither select nor remap."""
+    for seed in range(300):
+        sched = Scheduler(geo, Workload(), random.Random(seed))
+        sched.schedule()
+        assert sched.running[0].prompt > geo.topk, seed
