@@ -402,8 +402,8 @@ def gain_block(data: dict) -> str:
         f"the {gpu}: no SM100 GPU (B200) ran."
     )
     limits = ["Beside these figures:", "", versions, since, contexts, paths]
-    steps_table = table(f"requests (step time) | {head}", rows)
-    return "\n".join([intro, "", steps_table, "", source, "", *limits])
+    gains = table(f"requests (step time) | {head}", rows)
+    return "\n".join([intro, "", gains, "", source, "", *limits])
 
 
 @block("opt_in", "docs/bench-scores-h200.json")
@@ -505,8 +505,8 @@ def within_wave(rows: list[dict], name: str) -> str:
         ("at short row ends", short),
     ]
     grouped = [r for _, g in groups for r in g]
-    by_rows = sorted(slow, key=lambda r: (r["width"], r["rows"]))
-    for key in dict.fromkeys(size(r) for r in by_rows if r not in grouped):
+    ordered = sorted(slow, key=lambda r: (r["width"], r["rows"]))
+    for key in dict.fromkeys(size(r) for r in ordered if r not in grouped):
         members = [
             r
             for r in rows
@@ -540,9 +540,7 @@ def within_wave(rows: list[dict], name: str) -> str:
 def select_block(data: dict) -> str:
     """The select alone against stock's top-k: within one wave, where it is
     faster and slower, its chain, and past one wave."""
-    sms = sms_of(data)
-    m = data["meta"]
-    gpu = card(data)
+    sms, m, gpu = sms_of(data), data["meta"], card(data)
     inside = staged(data, sms=sms)
     fp32, bf16 = where(inside, path=FP32), where(inside, path=BF16)
     past = [r for r in data["select"] if r not in inside and r["logits"] == "randn"]
@@ -646,8 +644,8 @@ def upcast_block(data: dict) -> str:
 
 @claims(PERFORMANCE, "docs/bench-h200.json")
 def kernel_claims(data: dict) -> list[str]:
-    kernels, selects = data["kernels"], len(data["select"])
-    n = len(kernels)
+    kernels = data["kernels"]
+    n, selects = len(kernels), len(data["select"])
     spread = max(max(r["graph_spread"]) for r in kernels)
     noisy = sum(max(r["eager_spread"]) > 0.10 for r in kernels)
     copy = data["meta"]["copy"]
@@ -740,15 +738,11 @@ def select_table_block(data: dict) -> str:
         select_label_is_its_row(logits, size, key)
         r = select_row(data, *key)
         stock, now = r["select_graph_us"]
-        times = (stock, r["select_graph_us_before"][1], now)
-        cells = [f"{us:.2f}" for us in times] + [
-            f"{ratio(r[k]):.2f}" for k in SELECT_KEYS
-        ]
+        cells = [f"{us:.2f}" for us in (stock, r["select_graph_us_before"][1], now)]
+        cells += [f"{ratio(r[k]):.2f}" for k in SELECT_KEYS]
         rows.append([logits, size, *cells])
-    head = (
-        "logits | rows x pools, row ends | stock | 31e6ca5 | now | select x | chain x"
-    )
-    return table(f"{head} | eager chain x", rows, left=2)
+    head = "logits | rows x pools, row ends | stock | 31e6ca5 | now | select x"
+    return table(f"{head} | chain x | eager chain x", rows, left=2)
 
 
 # The one-wave table's rows: path, logits and row ends as labelled, and the
@@ -784,11 +778,8 @@ def one_wave_table_block(data: dict) -> str:
     """The select's ranges over the sizes where the stage runs it."""
     lines = []
     for path, label, name, logits, ends in ONE_WAVE_TABLE:
-        rows = [
-            r
-            for r in staged(data, name)
-            if r["logits"] in logits and ends_of(r) == ends
-        ]
+        at = [r for r in staged(data, name) if ends_of(r) == ends]
+        rows = [r for r in at if r["logits"] in logits]
         lines.append([path, label, *(ratio_span(rows, k) for k in SELECT_KEYS)])
     head = "path | logits, row ends | select alone | chain | eager chain"
     return table(head, lines, left=2)
