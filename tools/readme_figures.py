@@ -1206,6 +1206,7 @@ def problems(path: Path | None = None, root: Path = REPO) -> list[str]:
     their JSON, are missing or belong elsewhere, and claims not found."""
     if path is None:
         return [p for page in pages(root) for p in problems(page, root)]
+    path = path.resolve()  # a page named from the working directory
     text, out = path.read_text(), []
     page = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
     found = BLOCK.findall(text)
