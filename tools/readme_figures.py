@@ -33,7 +33,9 @@ import math
 import re
 import sys
 import textwrap
+from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -57,6 +59,8 @@ FIRST_DSA_LAYER = 3
 # The SMs of the card a JSON's meta names, for the select's one-wave rule.
 SMS = {"NVIDIA H200": 132}
 H200_SMS = SMS["NVIDIA H200"]
+# The select's paths: FlashInfer SM90's FP32 logits, SM100's BF16.
+FP32, BF16 = "sm90-flashinfer", "sm100-flashinfer"
 # vLLM 0.33.0's torch and triton (its wheel's requirements and torch's; the
 # test checks them): `pip install vllm==0.33.0` brings these, the GPU runs
 # used the versions their JSON's meta gives.
@@ -92,8 +96,7 @@ CLAIMS: list[tuple[str, tuple[str, ...], Callable[..., list[str]]]] = []
 
 
 def block(name: str, source: str, page: str = "README.md"):
-    """Registers ``fn(data) -> text`` as the block ``name`` of ``source``,
-    in ``page``."""
+    """Registers ``fn(data) -> text``: block ``name`` of ``source`` in ``page``."""
 
     def register(fn):
         BLOCKS[name] = (source, fn)
@@ -104,8 +107,7 @@ def block(name: str, source: str, page: str = "README.md"):
 
 
 def claims(page: str, *sources: str):
-    """Registers ``fn(data, ...) -> [phrase]``: phrases of ``page`` from
-    ``sources`` (their JSON, in order)."""
+    """Registers ``fn(*data) -> [phrase]``: ``page``'s phrases from ``sources``."""
 
     def register(fn):
         CLAIMS.append((page, sources, fn))
@@ -129,6 +131,37 @@ def ratio(pair) -> float:
     return pair[0] / pair[1]
 
 
+def ratio_span(rows, key: str = "select_graph_us") -> str:
+    return span(ratio(r[key]) for r in rows)
+
+
+def saved(row: dict, key: str = "step_graph_us") -> float:
+    """µs a layer the stage saves: stock's time less the stage's."""
+    stock, stage = row[key]
+    return stock - stage
+
+
+def where(rows: list[dict], /, **fields) -> list[dict]:
+    """The ``rows`` with these ``fields``."""
+    return [r for r in rows if all(r[k] == v for k, v in fields.items())]
+
+
+def only(rows: list[dict], /, **fields) -> dict:
+    """The one row of ``rows`` with these ``fields``."""
+    (row,) = where(rows, **fields)
+    return row
+
+
+def table(head: str, rows, left: int = 1) -> str:
+    """A table of ``head``'s columns, the first ``left`` aligned left."""
+    align = "|" + " --- |" * left + " --: |" * (head.count(" | ") + 1 - left)
+    return "\n".join([f"| {head} |", align, *(f"| {' | '.join(r)} |" for r in rows)])
+
+
+def card(data: dict) -> str:
+    return data["meta"]["gpu"].removeprefix("NVIDIA ")
+
+
 def span(values, fmt: str = ".2f") -> str:
     values = list(values)
     low, high = format(min(values), fmt), format(max(values), fmt)
@@ -137,21 +170,6 @@ def span(values, fmt: str = ".2f") -> str:
 
 def link(source: str) -> str:
     return f"[{source}]({source})"
-
-
-def tail(data: dict, path: str) -> list[dict]:
-    return sorted(
-        (r for r in data["kernels"] if r["case"] == "tail" and r["path"] == path),
-        key=lambda r: r["rows"],
-    )
-
-
-def run_of(data: dict) -> str:
-    m = data["meta"]
-    return (
-        f"one {m['gpu'].removeprefix('NVIDIA ')} (torch {m['torch']}, triton "
-        f"{m['triton']}, CuTe DSL 4.8.0), commit {m['commit']}, {m['date']}"
-    )
 
 
 def us(value: float) -> str:
@@ -175,71 +193,56 @@ def join(parts: list[str]) -> str:
     return ", ".join(parts[:-1]) + " and " * (len(parts) > 1) + parts[-1]
 
 
-def runs_of(values: list, measured: list, unit: str = "") -> str:
-    """``values`` (sorted, a subset of ``measured``) as runs of neighbours
-    in ``measured``: ``32-64``, ``1, 8 and 64``."""
+def runs_of(values: list, measured: list) -> str:
+    """``values`` (a sorted subset of ``measured``) as runs: ``32-64``, ``1 and 8``."""
     runs: list[list] = []
     for v in values:
         if runs and measured.index(v) == measured.index(runs[-1][-1]) + 1:
             runs[-1].append(v)
         else:
             runs.append([v])
-    return join(
-        [f"{r[0]}{unit}" + (f"-{r[-1]}{unit}" if len(r) > 1 else "") for r in runs]
-    )
+    return join([f"{r[0]}" + (f"-{r[-1]}" if len(r) > 1 else "") for r in runs])
 
 
 @block("tail", "docs/bench-h200.json")
 def tail_block(data: dict) -> str:
-    """The decode tail by decode rows on FlashInfer SM90; the other paths'
-    savings, the eager figures, the share of the tail and stock's top-k the
-    stage removes."""
-    sm90 = tail(data, "sm90-flashinfer")
+    """The decode tail by decode rows on FlashInfer SM90, then the other paths,
+    the eager figures and the share of the tail and top-k the stage removes."""
+    m, tails = data["meta"], where(data["kernels"], case="tail")
+    sm90 = sorted(where(tails, path=FP32), key=lambda r: r["rows"])
     intro = (
-        f"`tools/bench.py` on {run_of(data)} ({link('docs/bench-h200.json')}), "
+        f"`tools/bench.py` on one {card(data)} (torch {m['torch']}, triton "
+        f"{m['triton']}, CuTe DSL 4.8.0), commit {m['commit']}, {m['date']} "
+        f"({link('docs/bench-h200.json')}), "
         "graph-replayed, stock and the stage in one run: one DSA layer's decode "
         "tail (the update, the upcast where the path has one, the expansion and "
         f"conversion after a 512-pool top-k; contexts of {TAIL_CONTEXTS}) on "
         "FlashInfer SM90, Hopper's default:"
     )
-    header = "| decode rows | stock µs | stage µs | saving µs | stock/stage |"
-    lines = [intro, "", header, "| --: | --: | --: | --: | --: |"]
+    rows = []
     for r in sm90:
         stock, stage = r["graph_us"]
-        lines.append(
-            f"| {r['rows']} | {stock:.1f} | {stage:.1f} | {stock - stage:.1f} "
-            f"| {ratio(r['graph_us']):.2f} |"
-        )
+        cells = [f"{x:.1f}" for x in (stock, stage, stock - stage)]
+        rows.append([str(r["rows"]), *cells, f"{ratio(r['graph_us']):.2f}"])
 
     def saving(path):
-        savings = (r["graph_us"][0] - r["graph_us"][1] for r in tail(data, path))
-        return span(savings, ".1f")
+        return span((saved(r, "graph_us") for r in where(tails, path=path)), ".1f")
 
     def topk(rows):
-        (r,) = [
-            r
-            for r in data["select"]
-            if (r["path"], r["rows"], r["width"], r["context"], r["logits"])
-            == ("sm90-flashinfer", rows, 65536, "full", "randn")
-        ]
-        return r["select_graph_us"][0]
+        return select_row(data, FP32, rows, 65536)["select_graph_us"][0]
 
     def share(rows):
         (stock, stage), *_ = [r["graph_us"] for r in sm90 if r["rows"] == rows]
         return f"{100 * (stock - stage) / (stock + topk(rows)):.0f} %"
 
-    update = [
-        r["graph_us"][0] - r["graph_us"][1]
-        for r in data["kernels"]
-        if r["case"] == "update"
-    ]
+    update = [saved(r, "graph_us") for r in where(data["kernels"], case="update")]
     spread = sum(max(r["eager_spread"]) > 0.10 for r in data["kernels"])
     eager = [span((r["eager_us"][side] for r in sm90), ".0f") for side in (0, 1)]
     rest = (
         f"Of that the update, before the query, saves {span(update, '.1f')} µs. "
         f"FlashMLA FP8 saves {saving('flashmla-fp8')} µs a layer, the SM100 path "
         f"(with the upcast) {saving('sm100-flashinfer')} µs, measured on the "
-        f"{data['meta']['gpu'].removeprefix('NVIDIA ')}: no SM100 GPU ran it. "
+        f"{card(data)}: no SM100 GPU ran it. "
         f"Eager, host counted, stock's SM90 tail takes {eager[0]} µs and the "
         f"stage's {eager[1]} µs (noisy: {spread} of the {len(data['kernels'])} "
         "kernel rows spread over 10 %). Stock's top-k (FP32, 64K pools) took "
@@ -247,20 +250,23 @@ def tail_block(data: dict) -> str:
         f"stage removes {share(1)} of the tail and the top-k together at 1 row, "
         f"{share(64)} at 64."
     )
-    return "\n".join([*lines, "", rest])
+    head = "decode rows | stock µs | stage µs | saving µs | stock/stage"
+    return "\n".join([intro, "", table(head, rows, left=0), "", rest])
 
 
-def one_wave(
-    rows: int, width: int, path: str = "sm90-flashinfer", sms: int = H200_SMS
-) -> bool:
-    """Whether the stage runs the select (``"one_wave"``) on ``sms`` SMs:
-    the patched vLLM's rule."""
+def one_wave(rows: int, width: int, path: str = FP32, sms: int = H200_SMS) -> bool:
+    """Whether the stage runs the select on ``sms`` SMs: the patched vLLM's rule."""
     import torch
 
     from vllm.models.glm5next.nvidia.specialized_decode.cutedsl.select import launch
 
-    dtype = {"sm90-flashinfer": torch.float32, "sm100-flashinfer": torch.bfloat16}
+    dtype = {FP32: torch.float32, BF16: torch.bfloat16}
     return launch.one_wave(rows, width, dtype[path], sms)
+
+
+def step_one_wave(row: dict, sms: int = H200_SMS) -> bool:
+    """Whether the step ``row``'s rows (requests x next_n) are one wave."""
+    return one_wave(row["rows"] * row["next_n"], row["context"], sms=sms)
 
 
 def max_one_wave_rows(width: int, sms: int = H200_SMS) -> int:
@@ -271,23 +277,15 @@ def max_one_wave_rows(width: int, sms: int = H200_SMS) -> int:
 
 
 def sms_of(data: dict) -> int:
-    """The SMs of the card the JSON's meta names; ValueError for a card
-    ``SMS`` lacks."""
+    """The SMs of the card the JSON's meta names, which ``SMS`` must have."""
     gpu = data["meta"]["gpu"]
     if gpu not in SMS:
         raise ValueError(f"no SM count for {gpu!r}: add it to SMS ({sorted(SMS)})")
     return SMS[gpu]
 
 
-def saved(row: dict, key: str = "step_graph_us") -> float:
-    """µs a layer the stage saves: stock's time less the stage's."""
-    stock, stage = row[key]
-    return stock - stage
-
-
 def step_ms(requests: int) -> tuple[float, bool]:
-    """The cited step time for ``requests``, and whether it is only a floor
-    (the largest batch cited below ``requests``)."""
+    """The cited step time for ``requests``, and whether it is only a floor."""
     if requests in STEP_MS:
         return STEP_MS[requests], False
     return STEP_MS[max(n for n in STEP_MS if n < requests)], True
@@ -296,29 +294,18 @@ def step_ms(requests: int) -> tuple[float, bool]:
 def step_sizes(rows: list[dict], data: dict) -> str:
     """The sizes of step ``rows``: ``64 requests of 512K-1M tokens (next_n
     2: 32-64 requests of 512K-1M tokens)``."""
-    plan = data["meta"]["plan"]
-    parts = []
+    plan, parts = data["meta"]["plan"], []
+    steps, contexts = plan["step_rows"], [tokens(w) for w in plan["step_pools"]]
     for next_n in sorted({r["next_n"] for r in rows}):
         by: dict[tuple, list[int]] = {}
-        for requests in plan["step_rows"]:
-            widths = tuple(
-                sorted(
-                    r["context"]
-                    for r in rows
-                    if (r["next_n"], r["rows"]) == (next_n, requests)
-                )
-            )
+        for n in steps:
+            widths = sorted(r["context"] for r in where(rows, next_n=next_n, rows=n))
             if widths:
-                by.setdefault(widths, []).append(requests)
+                by.setdefault(tuple(map(tokens, widths)), []).append(n)
         text = join(
             [
-                f"{runs_of(requests, plan['step_rows'])} requests of "
-                + runs_of(
-                    [tokens(w) for w in widths],
-                    [tokens(w) for w in plan["step_pools"]],
-                )
-                + " tokens"
-                for widths, requests in by.items()
+                f"{runs_of(ns, steps)} requests of {runs_of(ts, contexts)} tokens"
+                for ts, ns in by.items()
             ]
         )
         parts.append(text if next_n == 1 else f"(next_n {next_n}: {text})")
@@ -327,29 +314,24 @@ def step_sizes(rows: list[dict], data: dict) -> str:
 
 @block("gain", "docs/bench-scores-h200.json")
 def gain_block(data: dict) -> str:
-    """What a decode step saves at 1, 8 and 64 requests of each context: per
-    output token and as a share of a cited decode step, with the figures'
-    limits."""
+    """What a decode step saves, per output token and as a share of a cited
+    decode step, with the figures' limits."""
     m, plan = data["meta"], data["meta"]["plan"]
     widths = plan["step_pools"]
     cells = {(n, w): step_row(data, n, 1, w) for n in GAIN_REQUESTS for w in widths}
     every = [step_row(data, n, 1, w) for n in plan["step_rows"] for w in widths]
     assert min(saved(r) for r in every) > 0, "the stage slower than stock somewhere"
-    head = " | ".join([f"{tokens(widths[0])} tokens", *map(tokens, widths[1:])])
-    lines = [
-        f"| requests (step time) | {head} |",
-        "| --- |" + " --: |" * len(widths),
-    ]
-    shares = []
+    rows, shares = [], []
     for n in GAIN_REQUESTS:
         ms, floor = step_ms(n)
-        row = []
+        row = [f"{n} ({'≥ ' * floor}{ms:.1f} ms)"]
         for w in widths:
             step_us = DSA_LAYERS * saved(cells[n, w])
             shares.append(100 * step_us / (1000 * ms))
             row.append(f"{us(step_us / n)} µs, {'≤ ' * floor}{percent(shares[-1])}")
-        lines.append(f"| {n} ({'≥ ' * floor}{ms:.1f} ms) | {' | '.join(row)} |")
-    gpu = m["gpu"].removeprefix("NVIDIA ")
+        rows.append(row)
+    head = " | ".join([f"{tokens(widths[0])} tokens", *map(tokens, widths[1:])])
+    gpu = card(data)
     layers = f"{FIRST_DSA_LAYER}, {FIRST_DSA_LAYER + 4}, …, {LAYERS - 2}"
     steps = [DSA_LAYERS * saved(r) for r in every]
     stock = span((r["step_graph_us"][0] for r in every), ".1f")
@@ -377,10 +359,9 @@ def gain_block(data: dict) -> str:
     source = (
         "The step times are GLM-5.2-FP8's mean time per output token on one "
         "8 x H200 node (vLLM, TP 8; its serve recipe sets no speculative "
-        "decoding), a larger model of "
-        "GLM-5-Next's family with its DSA attention (744B parameters, 40B active), "
-        "at "
-        f"{join([str(n) for n in cited])} concurrent requests: "
+        "decoding), a larger model of GLM-5-Next's family with its DSA attention "
+        f"(744B parameters, 40B active), at {join([str(n) for n in cited])} "
+        "concurrent requests: "
         f"{join([f'{STEP_MS[n]:.1f}' for n in cited])} ms (<{STEP_SOURCE}>). No "
         "public GLM-5-Next figure on H200 or H100 was found"
         + (
@@ -421,7 +402,8 @@ def gain_block(data: dict) -> str:
         f"the {gpu}: no SM100 GPU (B200) ran."
     )
     limits = ["Beside these figures:", "", versions, since, contexts, paths]
-    return "\n".join([intro, "", *lines, "", source, "", *limits])
+    gains = table(f"requests (step time) | {head}", rows)
+    return "\n".join([intro, "", gains, "", source, "", *limits])
 
 
 @block("opt_in", "docs/bench-scores-h200.json")
@@ -430,13 +412,10 @@ def opt_in_block(data: dict) -> str:
     clusters: where each saves and where it is slower than stock."""
     sms = sms_of(data)
 
-    def within(r):
-        return one_wave(r["rows"] * r["next_n"], r["context"], sms=sms)
-
     def verdict(key: str) -> str:
         rows = data["scores"]
-        inside = [r for r in rows if within(r)]
-        past = [r for r in rows if not within(r)]
+        inside = [r for r in rows if step_one_wave(r, sms)]
+        past = [r for r in rows if not step_one_wave(r, sms)]
         slower = [r for r in past if saved(r, key) < 0]
         faster = [r for r in past if saved(r, key) >= 0]
         assert min(saved(r, key) for r in inside) > 0, (
@@ -445,14 +424,14 @@ def opt_in_block(data: dict) -> str:
         text = (
             f"saves {span((saved(r, key) for r in inside), '.1f')} µs a layer "
             f"within one wave of its clusters (all {len(inside)} sizes there, "
-            f"{span(ratio(r[key]) for r in inside)}x stock's step); past one wave it "
-            f"is slower than stock, {span(ratio(r[key]) for r in slower)}x "
+            f"{ratio_span(inside, key)}x stock's step); past one wave it "
+            f"is slower than stock, {ratio_span(slower, key)}x "
             f"({span((-saved(r, key) for r in slower), '.1f')} µs a layer more), at "
             f"{step_sizes(slower, data)}"
         )
         if faster:
             text += (
-                f", and faster, {span(ratio(r[key]) for r in faster)}x, at "
+                f", and faster, {ratio_span(faster, key)}x, at "
                 f"{step_sizes(faster, data)}"
             )
         return text
@@ -474,14 +453,10 @@ def select_size(r: dict) -> str:
     return f"{r['rows']} row{'s' * (r['rows'] > 1)}{n4} of {pools(r['width'])} pools"
 
 
-def select_logits(name: str) -> str:
-    if name == "randn":
+def logits_of(row: dict) -> str:
+    if (name := row["logits"]) == "randn":
         return "random logits"
     return f"ReLU logits with {name.removeprefix('relu ').replace('%', ' %')} positive"
-
-
-def x2(r: dict, key: str = "select_graph_us") -> str:
-    return f"{ratio(r[key]):.2f}"
 
 
 def r2(r: dict, key: str = "select_graph_us") -> float:
@@ -495,25 +470,19 @@ def slower_group(label: str, group: list[dict]) -> str:
     slow = [r for r in group if r2(r) < 1]
     others = [r for r in group if r not in slow]
     qualifier = ""
-    for attr, word in (("ends", "{} ends"), ("logits", "{}")):
-
-        def value(r, attr=attr):
-            return ends_of(r) if attr == "ends" else select_logits(r["logits"])
-
+    for value, word in ((ends_of, "{} ends"), (logits_of, "{}")):
         shared = {value(r) for r in slow}
         if others and len(shared) == 1 and not {value(r) for r in others} & shared:
             qualifier += " with " + word.format(*shared)
-    notes = []
+    notes, slow_logits = [], {s["logits"] for s in slow}
     for r in others:
         own = [
             f"with {ends_of(r)} ends" if ends_of(r) not in map(ends_of, slow) else "",
-            f"on {select_logits(r['logits'])}"
-            if r["logits"] not in {s["logits"] for s in slow}
-            else "",
+            f"on {logits_of(r)}" if r["logits"] not in slow_logits else "",
         ]
         own = [o for o in own if o] or [f"at {select_size(r)} with {ends_of(r)} ends"]
-        notes.append(f"{x2(r)}x {' '.join(own)}")
-    detail = "; ".join([f"{span(ratio(r['select_graph_us']) for r in slow)}x", *notes])
+        notes.append(f"{r2(r):.2f}x {' '.join(own)}")
+    detail = "; ".join([f"{ratio_span(slow)}x", *notes])
     return f"{label}{qualifier} ({detail})"
 
 
@@ -521,36 +490,27 @@ BELOW_K = ("relu 0%", "relu 0.1%")
 
 
 def within_wave(rows: list[dict], name: str) -> str:
-    """Where the select alone is faster and slower than stock's top-k on the
-    rows of one path within one wave."""
+    """Where the select alone is faster and slower than stock's top-k."""
 
-    def sel(rows):
-        return span(ratio(r["select_graph_us"]) for r in rows)
+    def size(r):
+        return r["width"], r["rows"], r["context"].partition(",")[2]
 
     slow = [r for r in rows if r2(r) <= 1]
     if not slow:
-        return f"{name} faster at every size ({sel(rows)}x)"
+        return f"{name} faster at every size ({ratio_span(rows)}x)"
     small = min(r["width"] for r in rows)
+    short = [r for r in rows if r["width"] > small and ends_of(r) == "short"]
     groups = [
-        (f"at {pools(small)} pools", [r for r in rows if r["width"] == small]),
-        (
-            "at short row ends",
-            [r for r in rows if r["width"] > small and ends_of(r) == "short"],
-        ),
+        (f"at {pools(small)} pools", where(rows, width=small)),
+        ("at short row ends", short),
     ]
     grouped = [r for _, g in groups for r in g]
-    sizes: dict[tuple, list[dict]] = {}
-    for r in sorted(slow, key=lambda r: (r["width"], r["rows"])):
-        if r not in grouped:
-            sizes.setdefault(
-                (r["width"], r["rows"], r["context"].partition(",")[2]), []
-            )
-    for (width, n, tail_), members in sizes.items():
-        members += [
+    ordered = sorted(slow, key=lambda r: (r["width"], r["rows"]))
+    for key in dict.fromkeys(size(r) for r in ordered if r not in grouped):
+        members = [
             r
             for r in rows
-            if (r["width"], r["rows"], r["context"].partition(",")[2])
-            == (width, n, tail_)
+            if size(r) == key
             and r not in grouped
             and (r2(r) <= 1 or r["logits"] not in BELOW_K)
         ]
@@ -559,25 +519,17 @@ def within_wave(rows: list[dict], name: str) -> str:
     below = [r for r in rows if r["logits"] in BELOW_K and r not in grouped]
     rest = [r for r in rows if r not in grouped and r not in below]
     assert all(r2(r) > 1 for r in below + rest), "a slower row left out"
-    by_width: dict[int, list[int]] = {}
-    for r in sorted(rest, key=lambda r: (r["width"], r["rows"])):
-        if r["rows"] not in by_width.setdefault(r["width"], []):
-            by_width[r["width"]].append(r["rows"])
-    where = join(
-        [
-            f"{join([str(n) for n in ns])} rows of {pools(w)} pools"
-            for w, ns in by_width.items()
-        ]
+    widths: dict[int, list[str]] = {}
+    for width, n in sorted({(r["width"], r["rows"]) for r in rest}):
+        widths.setdefault(width, []).append(str(n))
+    faster = join([f"{join(ns)} rows of {pools(w)} pools" for w, ns in widths.items()])
+    one = where(rest, rows=1, width=65536, context="full", logits="randn")
+    one_x = "".join(f"; {r2(r):.2f}x at 1 x 64K" for r in one)
+    below_k = (
+        f" and on ReLU logits with fewer than k pools above 0.0 ({ratio_span(below)}x)"
     )
-    one = [
-        f"; {x2(r)}x at 1 x 64K"
-        for r in rest
-        if (r["rows"], r["width"], r["context"], r["logits"])
-        == (1, 65536, "full", "randn")
-    ]
-    below_k = f" and on ReLU logits with fewer than k pools above 0.0 ({sel(below)}x)"
     return (
-        f"{name} faster at {where} ({sel(rest)}x{''.join(one)})"
+        f"{name} faster at {faster} ({ratio_span(rest)}x{one_x})"
         + below_k * bool(below)
         + "; slower than stock "
         + join([slower_group(label, g) for label, g in groups])
@@ -586,18 +538,12 @@ def within_wave(rows: list[dict], name: str) -> str:
 
 @block("select", "docs/bench-select-h200.json")
 def select_block(data: dict) -> str:
-    """The select alone against stock's top-k: within one wave (both
-    settings run it) where it is faster and where slower, its chain, and
-    past one wave (``true`` only)."""
-    sms = sms_of(data)
-    m = data["meta"]
-    gpu = m["gpu"].removeprefix("NVIDIA ")
-    staged = [
-        r for r in data["select"] if one_wave(r["rows"], r["width"], r["path"], sms)
-    ]
-    fp32 = [r for r in staged if r["path"] == "sm90-flashinfer"]
-    bf16 = [r for r in staged if r["path"] == "sm100-flashinfer"]
-    past = [r for r in data["select"] if r not in staged and r["logits"] == "randn"]
+    """The select alone against stock's top-k: within one wave, where it is
+    faster and slower, its chain, and past one wave."""
+    sms, m, gpu = sms_of(data), data["meta"], card(data)
+    inside = staged(data, sms=sms)
+    fp32, bf16 = where(inside, path=FP32), where(inside, path=BF16)
+    past = [r for r in data["select"] if r not in inside and r["logits"] == "randn"]
     assert SELECT_BEFORE in m["measured"], m["measured"]
     assert m["commit"] == SELECT_COMMIT, m["commit"]
 
@@ -606,12 +552,10 @@ def select_block(data: dict) -> str:
         return f"{span(values)}x" + ("" if min(values) > 1 else " (slower at some)")
 
     def beyond(name):
-        rows = [r for r in past if r["path"] == name]
+        rows = where(past, path=name)
         slow = [r for r in rows if r2(r) < 1]
-        return (
-            f"{span(ratio(r['select_graph_us']) for r in rows)}x (slower than stock "
-            f"at {len(slow)} of its {len(rows)} sizes)"
-        )
+        sizes = f"{len(slow)} of its {len(rows)} sizes"
+        return f"{ratio_span(rows)}x (slower than stock at {sizes})"
 
     return (
         "The select alone against stock's top-k (k "
@@ -639,9 +583,7 @@ def select_block(data: dict) -> str:
 @block("steps", "docs/indexer-steps-h200.json")
 def steps_block(data: dict) -> str:
     runs = [r for r in data["runs"] if r["steps"]["decode_steps"] >= 1000]
-    commits: dict[str, int] = {}
-    for r in runs:
-        commits[r["commit"]] = commits.get(r["commit"], 0) + 1
+    commits = Counter(r["commit"] for r in runs)
     newest = data["runs"][-1]["commit"]
     older = ", ".join(f"{n} on commit {c}" for c, n in commits.items() if c != newest)
     return (
@@ -662,113 +604,75 @@ def pools(width: int) -> str:
     return f"{width // 1024}K"
 
 
-def floor2(value: float) -> str:
-    """``value`` rounded down to two decimals: a bound "x or more" keeps."""
-    return f"{math.floor(value * 100) / 100:.2f}"
-
-
 def kernel_label(row: dict) -> str:
-    if row["case"] == "update":
-        return f"update scales={row['scales']} tokens={row['tokens']}"
-    if row["case"] == "remap":
-        return f"remap counts={row['counts']}"
-    if row["case"] == "tail":
-        return f"tail path={row['path']}"
-    return f"{row['case']} "
+    fields = {"update": "scales tokens", "remap": "counts", "tail": "path"}
+    names = fields.get(row["case"], "").split()
+    return f"{row['case']} " + " ".join(f"{k}={row[k]}" for k in names)
+
+
+def kernel_table(kernels: list[dict], label, cell, head: str, first: str = "") -> str:
+    """``cell(row)`` of ``kernels`` by ``label(row)`` and by decode rows."""
+    groups: dict = {}
+    for r in kernels:
+        groups.setdefault(label(r), {})[r["rows"]] = r
+    rows = sorted({n for g in groups.values() for n in g})
+    lines = [[k, *(cell(g[n]) for n in rows)] for k, g in groups.items()]
+    return table(" | ".join([head, first + str(rows[0]), *map(str, rows[1:])]), lines)
 
 
 @block("kernels", "docs/bench-h200.json", PERFORMANCE)
 def kernels_block(data: dict) -> str:
     """Each kernel's ratio by decode rows, graph-replayed and eager."""
-    groups: dict[str, dict[int, dict]] = {}
-    for r in data["kernels"]:
-        if r["case"] != "upcast":
-            groups.setdefault(kernel_label(r), {})[r["rows"]] = r
-    rows = sorted({n for g in groups.values() for n in g})
-    tables = []
-    for timer in ("graph", "eager"):
-        lines = [
-            f"| {timer}: stock / ours | {' | '.join(map(str, rows))} |",
-            "| --- |" + " --: |" * len(rows),
-        ]
-        for label, g in groups.items():
-            cells = " | ".join(f"{ratio(g[n][f'{timer}_us']):.2f}" for n in rows)
-            lines.append(f"| {label} | {cells} |")
-        tables.append("\n".join(lines))
-    return "\n\n".join(tables)
+    kernels = [r for r in data["kernels"] if r["case"] != "upcast"]
+
+    def ratios(timer):
+        cell = lambda r: f"{ratio(r[timer + '_us']):.2f}"
+        return kernel_table(kernels, kernel_label, cell, f"{timer}: stock / ours")
+
+    return "\n\n".join([ratios("graph"), ratios("eager")])
 
 
 @block("upcast", "docs/bench-h200.json", PERFORMANCE)
 def upcast_block(data: dict) -> str:
-    """The upcast's ratio by rows, row ends and pools, with ours' share of
-    the copy's bandwidth."""
-    groups: dict[tuple, dict[int, dict]] = {}
-    for r in data["kernels"]:
-        if r["case"] == "upcast":
-            groups.setdefault((r["ends"], r["width"]), {})[r["rows"]] = r
-    rows = sorted({n for g in groups.values() for n in g})
-    head = " | ".join([f"rows {rows[0]}", *map(str, rows[1:])])
-    lines = [
-        f"| upcast, graph: stock / ours (ours' share of the copy) | {head} |",
-        "| --- |" + " --: |" * len(rows),
-    ]
-    for (ends, width), g in groups.items():
-        cells = " | ".join(
-            f"{ratio(g[n]['graph_us']):.2f} ({100 * g[n]['roof'][1]:.0f} %)"
-            for n in rows
-        )
-        lines.append(f"| ends {ends}, {width} pools | {cells} |")
-    return "\n".join(lines)
+    """The upcast's ratio by rows, row ends and pools; ours' share of the copy."""
+    upcasts = where(data["kernels"], case="upcast")
+    label = lambda r: f"ends {r['ends']}, {r['width']} pools"
+    cell = lambda r: f"{ratio(r['graph_us']):.2f} ({100 * r['roof'][1]:.0f} %)"
+    head = "upcast, graph: stock / ours (ours' share of the copy)"
+    return kernel_table(upcasts, label, cell, head, "rows ")
 
 
 @claims(PERFORMANCE, "docs/bench-h200.json")
 def kernel_claims(data: dict) -> list[str]:
     kernels = data["kernels"]
-
-    def case(name, **fields):
-        return [
-            r
-            for r in kernels
-            if r["case"] == name and all(r[k] == v for k, v in fields.items())
-        ]
-
+    n, selects = len(kernels), len(data["select"])
     spread = max(max(r["graph_spread"]) for r in kernels)
     noisy = sum(max(r["eager_spread"]) > 0.10 for r in kernels)
     copy = data["meta"]["copy"]
-    sm100 = case("tail", path="sm100-flashinfer")
-    wide = [
-        r
-        for r in case("upcast", ends="full")
-        if (r["rows"], r["width"]) in ((256, 65536), (64, 262144))
-    ]
+    sm100 = where(kernels, case="tail", path=BF16)
+    full = where(kernels, case="upcast", ends="full")
+    wide = [r for r in full if (r["rows"], r["width"]) in ((256, 65536), (64, 262144))]
     return [
-        (
-            f"[bench-h200.json](bench-h200.json) ({len(kernels)} kernel rows, "
-            f"{len(data['select'])} select rows)"
-        ),
+        f"{link('bench-h200.json')} ({n} kernel rows, {selects} select rows)",
         f"(under {5 * math.ceil(20 * spread)} % in every graph row of this run)",
-        (
-            f"{noisy} of the {len(kernels)} kernel rows have a spread above 10 % on "
-            "one side"
-        ),
+        f"{noisy} of the {n} kernel rows have a spread above 10 % on one side",
         (
             f"{copy['kernel']:,.0f} GB/s counting read and write (`copy_`'s memcpy: "
             f"{copy['memcpy']:,.0f} GB/s)"
         ),
-        f"**The update** ({span(ratio(r['graph_us']) for r in case('update'))}x)",
+        f"**The update** ({ratio_span(where(kernels, case='update'), 'graph_us')}x)",
         (
             f"**The SM100 tail** falls from {ratio(sm100[0]['graph_us']):.1f}x at one "
             f"row to {ratio(sm100[-1]['graph_us']):.1f}x at {sm100[-1]['rows']}"
         ),
         (
             "**The upcast** at 256 x 64K and 64 x 256K full rows "
-            f"({span(ratio(r['graph_us']) for r in wide)}x) is at "
+            f"({ratio_span(wide, 'graph_us')}x) is at "
             f"{span((100 * r['roof'][1] for r in wide), '.0f')} % of the copy"
         ),
     ]
 
 
-FP32, BF16 = "sm90-flashinfer", "sm100-flashinfer"
 RELU = ("relu 0%", "relu 0.1%", "relu 1%", "relu 50%")
 
 
@@ -776,15 +680,12 @@ def select_row(
     data: dict, path: str, rows: int, width: int, context="full", logits="randn"
 ) -> dict:
     """The select's row of ``path``, ``rows`` x ``width`` pools."""
-    (row,) = [
-        r
-        for r in data["select"]
-        if (r["path"], r["rows"], r["width"], r["context"], r["logits"])
-        == (path, rows, width, context, logits)
-    ]
-    return row
+    fields = dict(path=path, rows=rows, width=width, context=context, logits=logits)
+    return only(data["select"], **fields)
 
 
+# The select's and its chain's times, graph-replayed and eager.
+SELECT_KEYS = ("select_graph_us", "chain_graph_us", "chain_eager_us")
 # The select table's rows: logits and size as labelled, and the JSON row
 # (path, rows, width[, row ends[, logits]]) each is.
 SELECT_TABLE = [
@@ -831,26 +732,17 @@ def select_label_is_its_row(logits: str, size: str, key: tuple) -> None:
 
 @block("select_table", "docs/bench-select-h200.json", PERFORMANCE)
 def select_table_block(data: dict) -> str:
-    """A selection of the select's rows: µs of the select alone (stock, the
-    previous commit's build, this one), then ratios."""
-    lines = [
-        (
-            "| logits | rows x pools, row ends | stock | 31e6ca5 | now | select x "
-            "| chain x | eager chain x |"
-        ),
-        "| --- | --- |" + " --: |" * 6,
-    ]
+    """A selection of the select's rows: µs of the select alone, then ratios."""
+    rows = []
     for logits, size, key in SELECT_TABLE:
         select_label_is_its_row(logits, size, key)
         r = select_row(data, *key)
         stock, now = r["select_graph_us"]
-        times = (stock, r["select_graph_us_before"][1], now)
-        cells = [f"{us:.2f}" for us in times] + [
-            f"{ratio(r[k]):.2f}"
-            for k in ("select_graph_us", "chain_graph_us", "chain_eager_us")
-        ]
-        lines.append(f"| {logits} | {size} | {' | '.join(cells)} |")
-    return "\n".join(lines)
+        cells = [f"{us:.2f}" for us in (stock, r["select_graph_us_before"][1], now)]
+        cells += [f"{ratio(r[k]):.2f}" for k in SELECT_KEYS]
+        rows.append([logits, size, *cells])
+    head = "logits | rows x pools, row ends | stock | 31e6ca5 | now | select x"
+    return table(f"{head} | chain x | eager chain x", rows, left=2)
 
 
 # The one-wave table's rows: path, logits and row ends as labelled, and the
@@ -867,12 +759,12 @@ ONE_WAVE_TABLE = [
 ]
 
 
-def staged(data: dict, path: str | None = None) -> list[dict]:
+def staged(data: dict, path: str | None = None, sms: int = H200_SMS) -> list[dict]:
     """The select's rows where the stage runs it (``one_wave``)."""
     return [
         r
         for r in data["select"]
-        if one_wave(r["rows"], r["width"], r["path"])
+        if one_wave(r["rows"], r["width"], r["path"], sms)
         and (path is None or r["path"] == path)
     ]
 
@@ -884,46 +776,29 @@ def ends_of(row: dict) -> str:
 @block("one_wave_table", "docs/bench-select-h200.json", PERFORMANCE)
 def one_wave_table_block(data: dict) -> str:
     """The select's ranges over the sizes where the stage runs it."""
-    lines = [
-        "| path | logits, row ends | select alone | chain | eager chain |",
-        "| --- | --- | --: | --: | --: |",
-    ]
+    lines = []
     for path, label, name, logits, ends in ONE_WAVE_TABLE:
-        rows = [
-            r
-            for r in staged(data, name)
-            if r["logits"] in logits and ends_of(r) == ends
-        ]
-        cells = " | ".join(
-            span(ratio(r[k]) for r in rows)
-            for k in ("select_graph_us", "chain_graph_us", "chain_eager_us")
-        )
-        lines.append(f"| {path} | {label} | {cells} |")
-    return "\n".join(lines)
+        at = [r for r in staged(data, name) if ends_of(r) == ends]
+        rows = [r for r in at if r["logits"] in logits]
+        lines.append([path, label, *(ratio_span(rows, k) for k in SELECT_KEYS)])
+    head = "path | logits, row ends | select alone | chain | eager chain"
+    return table(head, lines, left=2)
 
 
 @claims(PERFORMANCE, "docs/bench-select-h200.json")
 def select_claims(data: dict) -> list[str]:
     fp32, bf16 = staged(data, FP32), staged(data, BF16)
-    randn = [r for r in fp32 if r["logits"] == "randn"]
+    randn = where(fp32, logits="randn")
     short = [r for r in randn if ends_of(r) == "short"]
     small = [r for r in randn if r["width"] == 16384 and ends_of(r) != "short"]
     from_4 = [r for r in small if r["rows"] >= 4]
-    (one_random,) = [r for r in small if (r["rows"], r["context"]) == (1, "random")]
-    sizes = [
-        r
-        for r in fp32
-        if (r["rows"], r["width"]) in ((64, 65536), (8, 262144))
-        and ends_of(r) != "short"
-        and r["logits"] not in ("relu 0%", "relu 0.1%")
-    ]
+    one_random = only(small, rows=1, context="random")
+    big = [r for r in fp32 if (r["rows"], r["width"]) in ((64, 65536), (8, 262144))]
+    sizes = [r for r in big if ends_of(r) != "short" and r["logits"] not in BELOW_K]
     slower = [r for r in sizes if ratio(r["select_graph_us"]) < 1]
 
     def faster(rows):
         return {ratio(r["select_graph_us"]) > 1 for r in rows}
-
-    def sel(rows):
-        return span(ratio(r["select_graph_us"]) for r in rows)
 
     assert faster(bf16) == {True}, "BF16: the select slower than stock somewhere"
     assert faster(from_4) == {False}, "16K pools from 4 rows: not all slower"
@@ -933,25 +808,23 @@ def select_claims(data: dict) -> list[str]:
     small64 = select_row(data, FP32, 64, 16384)
     one, eight = select_row(data, FP32, 1, 65536), select_row(data, FP32, 8, 65536)
     before = [ratio(r["select_graph_us_before"]) for r in short]
+    # Rounded down, so that "x or more" holds.
+    chain = math.floor(min(ratio(r["chain_graph_us"]) for r in fp32 + bf16) * 100)
     return [
         f"All {len(data['select'])} rows of one run ({data['meta']['date'][:16]})",
-        f"On FP32 it is at short row ends ({sel(short)}x:",
+        f"On FP32 it is at short row ends ({ratio_span(short)}x:",
         (
-            f"at 16K pools from 4 rows ({sel(from_4)}x; "
+            f"at 16K pools from 4 rows ({ratio_span(from_4)}x; "
             f"{ratio(one_random['select_graph_us']):.2f}x at 1 row of random ends)"
         ),
         (
-            f"by a few percent at 64 x 64K and 8 x 256K ({sel(slower)}x, also on "
-            "ReLU logits with 1-50 % positive)"
+            f"by a few percent at 64 x 64K and 8 x 256K ({ratio_span(slower)}x, "
+            "also on ReLU logits with 1-50 % positive)"
         ),
+        f"The chain stays {chain / 100:.2f}x or more everywhere the stage runs it",
         (
-            "The chain stays "
-            f"{floor2(min(ratio(r['chain_graph_us']) for r in fp32 + bf16))}x or "
-            "more everywhere the stage runs it"
-        ),
-        (
-            f"FP32 short ends {span(before)}x stock before, {sel(short)}x now; 64 x "
-            f"16K {small64['select_graph_us_before'][1]:.2f} to "
+            f"FP32 short ends {span(before)}x stock before, {ratio_span(short)}x "
+            f"now; 64 x 16K {small64['select_graph_us_before'][1]:.2f} to "
             f"{small64['select_graph_us'][1]:.2f} µs"
         ),
         (
@@ -965,22 +838,12 @@ def select_claims(data: dict) -> list[str]:
 
 def step_row(data: dict, rows: int, next_n: int, pools: int) -> dict:
     """The step case of ``rows`` requests of ``next_n`` tokens and ``pools``."""
-    (row,) = [
-        r
-        for r in data["scores"]
-        if (r["rows"], r["next_n"], r["context"]) == (rows, next_n, pools)
-    ]
-    return row
+    return only(data["scores"], rows=rows, next_n=next_n, context=pools)
 
 
 # The step table's sizes: requests, next_n, pools.
 STEP_TABLE = [
-    (1, 1, 4096),
-    (8, 1, 4096),
-    (64, 1, 4096),
-    (1, 1, 65536),
-    (8, 1, 65536),
-    (64, 1, 65536),
+    *((n, 1, width) for width in (4096, 65536) for n in (1, 8, 64)),
     (1, 1, 262144),
     (64, 1, 262144),
     (1, 2, 65536),
@@ -990,55 +853,39 @@ STEP_TABLE = [
 
 @block("step_table", "docs/bench-scores-h200.json", PERFORMANCE)
 def step_table_block(data: dict) -> str:
-    """The indexer decode after the query, DeepGEMM's scores on both sides:
-    stock, the stage, the stage with the select."""
-    lines = [
-        (
-            "| rows x next_n | pools | DeepGEMM alone | stock | stage | stage, select "
-            "| stock/stage | stock/select | eager stock/stage |"
-        ),
-        "| --- | --: | --: | --: | --: | --: | --: | --: | --: |",
-    ]
+    """The indexer decode after the query with DeepGEMM's scores on both sides."""
+    lines = []
     for rows, next_n, width in STEP_TABLE:
         r = step_row(data, rows, next_n, width)
         step, select = r["step_graph_us"], r["step_select_graph_us"]
         cells = [f"{us:.1f}" for us in (r["scores_graph_us"][0], *step, select[1])]
         cells += [f"{ratio(p):.2f}" for p in (step, select, r["step_eager_us"])]
-        lines.append(f"| {rows} x {next_n} | {pools(width)} | {' | '.join(cells)} |")
-    return "\n".join(lines)
+        lines.append([f"{rows} x {next_n}", pools(width), *cells])
+    head = "rows x next_n | pools | DeepGEMM alone | stock | stage | stage, select"
+    return table(f"{head} | stock/stage | stock/select | eager stock/stage", lines)
 
 
 @block("chain_table", "docs/bench-scores-h200.json", PERFORMANCE)
 def chain_table_block(data: dict) -> str:
-    """Every step size: stock, the stage with the select, with our scores too,
-    and each scores kernel alone."""
-    lines = [
-        (
-            "| requests x pools, next_n | stock µs | select µs | ours µs | stock/ours "
-            "| eager stock/ours | DeepGEMM alone | ours alone |"
-        ),
-        "| --- |" + " --: |" * 7,
-    ]
+    """Every step size: stock, the select, our scores too, each scores alone."""
+    lines = []
     order = sorted(data["scores"], key=lambda r: (r["next_n"], r["context"], r["rows"]))
     for r in order:
         ours = r["step_scores_graph_us"]
         cells = [f"{us:.1f}" for us in (ours[0], r["step_select_graph_us"][1], ours[1])]
         cells += [f"{ratio(ours):.2f}", f"{ratio(r['step_scores_eager_us']):.2f}"]
         cells += [f"{us:.1f}" for us in r["scores_graph_us"]]
-        size = f"{r['rows']} x {pools(r['context'])}, {r['next_n']}"
-        lines.append(f"| {size} | {' | '.join(cells)} |")
-    return "\n".join(lines)
+        lines.append([f"{r['rows']} x {pools(r['context'])}, {r['next_n']}", *cells])
+    head = "requests x pools, next_n | stock µs | select µs | ours µs | stock/ours"
+    return table(f"{head} | eager stock/ours | DeepGEMM alone | ours alone", lines)
 
 
 @claims(PERFORMANCE, "docs/bench-scores-h200.json")
 def scores_claims(data: dict) -> list[str]:
     rows = data["scores"]
-    pair = "step_scores_graph_us"
-
-    def chain(selected):
-        return span(ratio(r[pair]) for r in selected)
-
+    pair, select = "step_scores_graph_us", "step_select_graph_us"
     one = step_row(data, 1, 1, 65536)
+    ours, chain = one["scores_graph_us"][1], one[pair][1]
     big = [r for r in rows if r["rows"] >= 32 and r["context"] >= 131072]
     slower = [r for r in big if ratio(r[pair]) < 1]
     where = {(r["next_n"], r["rows"]) for r in slower}
@@ -1046,14 +893,13 @@ def scores_claims(data: dict) -> list[str]:
         f"slower than stock at (next_n, requests) {sorted(where)}, not next_n 2 "
         "from 32 requests and next_n 1 at 64"
     )
-    behind = [
-        100 * (r["scores_graph_us"][1] / r["scores_graph_us"][0] - 1) for r in slower
-    ]
+    # Our scores' time over DeepGEMM's.
+    behind = [100 * (ratio(r["scores_graph_us"][::-1]) - 1) for r in slower]
     assert min(behind) > 0, "our scores alone not behind DeepGEMM's everywhere"
-    assert not any(one_wave(r["rows"] * r["next_n"], r["context"]) for r in slower), (
+    assert not any(map(step_one_wave, slower)), (
         "slower than stock within one wave, not past it"
     )
-    past = [r for r in big if not one_wave(r["rows"] * r["next_n"], r["context"])]
+    past = [r for r in big if not step_one_wave(r)]
     within = " and ".join(
         f"{r['rows']} x {pools(r['context'])} at next_n {r['next_n']}"
         for r in big
@@ -1061,7 +907,8 @@ def scores_claims(data: dict) -> list[str]:
     )
 
     def sizes(requests, widths):
-        return chain(r for r in rows if requests(r["rows"]) and widths(r["context"]))
+        chosen = [r for r in rows if requests(r["rows"]) and widths(r["context"])]
+        return ratio_span(chosen, pair)
 
     return [
         (
@@ -1071,25 +918,20 @@ def scores_claims(data: dict) -> list[str]:
             f"{sizes(lambda n: n == 8, lambda w: w <= 16384)}x at 8 requests up "
             "to 16K"
         ),
-        (
-            f"At 1 x 64K it costs our scores ({one['scores_graph_us'][1]:.1f} µs) + "
-            f"{one[pair][1] - one['scores_graph_us'][1]:.1f} µs"
-        ),
+        f"At 1 x 64K it costs our scores ({ours:.1f} µs) + {chain - ours:.1f} µs",
         (
             "Slower than stock at 32-64 requests of 128K-256K pools "
-            f"({chain(slower)}x; next_n 2 from 32 requests, next_n 1 at 64)"
+            f"({ratio_span(slower, pair)}x; next_n 2 from 32 requests, next_n 1 at 64)"
         ),
         (
             "the step with DeepGEMM's scores and the select is "
-            f"{span(ratio(r['step_select_graph_us']) for r in slower)}x there"
+            f"{ratio_span(slower, select)}x there"
         ),
         f"our scores alone {span(behind, '.1f')} % behind DeepGEMM's",
         # The select past one wave, in the step.
         (
-            "the step with the select is "
-            f"{span(ratio(r['step_select_graph_us']) for r in big)}x stock's at 32-64 "
-            "requests of 128K-256K pools "
-            f"({span(ratio(r['step_select_graph_us']) for r in past)}x past one "
+            f"the step with the select is {ratio_span(big, select)}x stock's at 32-64 "
+            f"requests of 128K-256K pools ({ratio_span(past, select)}x past one "
             f"wave, every size there but {within}"
         ),
     ]
@@ -1097,8 +939,7 @@ def scores_claims(data: dict) -> list[str]:
 
 @claims(PERFORMANCE, "docs/bench-step-fed-h200.json")
 def fed_claims(data: dict) -> list[str]:
-    """The select fed by our scores, measured against our scores with the
-    cluster select (``step_fed`` against ``step_scores``)."""
+    """The select fed by our scores (``step_fed``) against ``step_scores``."""
     rows = data["scores"]
     slower = [
         r for r in rows if r["step_fed_graph_us"][1] >= r["step_scores_graph_us"][1]
@@ -1130,11 +971,11 @@ def clusters_table_block(data: dict) -> str:
     head = " | ".join(
         [f"{pools(widths[0])} pools: stock / select µs", *map(pools, widths[1:])]
     )
-    lines = [f"| logits | rows | {head} |", "| --- | --: |" + " --: |" * len(widths)]
-    for (name, rows), g in groups.items():
-        cells = " | ".join(f"{g[w][0]:.1f} / {g[w][1]:.1f}" for w in widths)
-        lines.append(f"| {name} | {rows} | {cells} |")
-    return "\n".join(lines)
+    lines = [
+        [name, str(rows), *(f"{g[w][0]:.1f} / {g[w][1]:.1f}" for w in widths)]
+        for (name, rows), g in groups.items()
+    ]
+    return table(f"logits | rows | {head}", lines)
 
 
 @claims(PERFORMANCE, "docs/select-clusters-h200.json")
@@ -1185,32 +1026,29 @@ def read_us(row: dict) -> float:
     return row["copy_cold"] / 2
 
 
+def over_read(row: dict) -> float:
+    """% our scores take over one read."""
+    return 100 * (row["ours_cold"] / read_us(row) - 1)
+
+
+def cold_size(row: dict) -> tuple[int, int, int]:
+    return row["entries"], row["pools"], row["next_n"]
+
+
 @block("cold_table", "docs/scores-cold-h200.json", PERFORMANCE)
 def cold_table_block(data: dict) -> str:
     """Our scores and DeepGEMM's read cold, against one read of the bytes."""
-    before = {(r["entries"], r["pools"], r["next_n"]): r for r in data["before"]}
-    lines = [
-        (
-            "| requests x pools, next_n | MB read | ours µs | before (32 heads) "
-            "| DeepGEMM µs | DeepGEMM/ours | read µs | ours vs read |"
-        ),
-        "| --- |" + " --: |" * 7,
-    ]
+    before = {cold_size(r): r for r in data["before"]}
+    lines = []
     for r in data["rows"]:
-        b = before[(r["entries"], r["pools"], r["next_n"])]
-        ours, dg, read = r["ours_cold"], r["dg_cold"], read_us(r)
-        cells = [
-            f"{r['mb']:.1f}",
-            f"{ours:.2f}",
-            f"{b['ours_cold']:.2f}",
-            f"{dg:.2f}",
-            f"{dg / ours:.2f}",
-            f"{read:.2f}",
-            f"{100 * (ours / read - 1):+.0f} %",
-        ]
+        ours, dg = r["ours_cold"], r["dg_cold"]
+        times = (ours, before[cold_size(r)]["ours_cold"], dg, dg / ours, read_us(r))
         size = f"{r['entries']} x {pools(r['pools'])}, {r['next_n']}"
-        lines.append(f"| {size} | {' | '.join(cells)} |")
-    return "\n".join(lines)
+        cells = [f"{x:.2f}" for x in times]
+        lines.append([size, f"{r['mb']:.1f}", *cells, f"{over_read(r):+.0f} %"])
+    head = "requests x pools, next_n | MB read | ours µs | before (32 heads)"
+    head += " | DeepGEMM µs | DeepGEMM/ours | read µs | ours vs read"
+    return table(head, lines)
 
 
 @claims(PERFORMANCE, "docs/scores-cold-h200.json")
@@ -1219,30 +1057,20 @@ def cold_claims(data: dict) -> list[str]:
     gate = {id(r): r["dg_cold"] / r["ours_cold"] for r in rows}
 
     def closest(next_n):
-        low = min(gate[id(r)] for r in rows if r["next_n"] == next_n)
-        near = [
-            r
-            for r in rows
-            if r["next_n"] == next_n and f"{gate[id(r)]:.2f}" == f"{low:.2f}"
-        ]
+        at = where(rows, next_n=next_n)
+        low = min(gate[id(r)] for r in at)
+        near = [r for r in at if f"{gate[id(r)]:.2f}" == f"{low:.2f}"]
         sizes = " and ".join(f"{r['entries']} x {pools(r['pools'])}" for r in near)
         return sizes, f"{low:.2f}x"
 
     (n1, x1), (n2, x2) = closest(1), closest(2)
-    (last,) = [
-        r for r in rows if (r["entries"], r["pools"], r["next_n"]) == (64, 65536, 2)
-    ]
-    before = {(r["entries"], r["pools"], r["next_n"]): r for r in data["before"]}
-    failed = [
-        b["dg_cold"] / b["ours_cold"]
-        for (entries, width, next_n), b in before.items()
-        if next_n == 2 and width == 65536 and entries >= 4
-    ]
-    passed = [
-        b["dg_cold"] / b["ours_cold"]
-        for (entries, width, next_n), b in before.items()
-        if next_n == 2 and not (width == 65536 and entries >= 4)
-    ]
+    last = only(rows, entries=64, pools=65536, next_n=2)
+    before = {cold_size(r): r for r in data["before"]}
+    failed, passed = [], []
+    for (entries, width, next_n), b in before.items():
+        if next_n == 2:
+            group = failed if width == 65536 and entries >= 4 else passed
+            group.append(b["dg_cold"] / b["ours_cold"])
     assert max(failed) < 1 <= min(passed), "the 32-head run's failures moved"
     return [
         (
@@ -1261,28 +1089,19 @@ def cold_claims(data: dict) -> list[str]:
 
 
 def read_claim(rows: list[dict]) -> str:
-    """Where one read bounds the time (66 MB or more), the sizes within
-    10 % of it and the others, by next_n."""
+    """Where one read bounds the time, the sizes within 10 % of it and not."""
     bound = [r for r in rows if r["mb"] >= 64]
     parts: dict[bool, list[str]] = {True: [], False: []}
     for next_n in (1, 2):
         for within in (True, False):
-            over = sorted(
-                (
-                    (100 * (r["ours_cold"] / read_us(r) - 1), r)
-                    for r in bound
-                    if r["next_n"] == next_n
-                    and (100 * (r["ours_cold"] / read_us(r) - 1) < 10) == within
-                ),
-                key=lambda pair: pair[0],
-            )
+            at = where(bound, next_n=next_n)
+            over = [r for r in at if (over_read(r) < 10) == within]
             named = [
-                f"{r['entries']} x {pools(r['pools'])} ({pct:+.0f} %)"
-                for pct, r in over
+                f"{r['entries']} x {pools(r['pools'])} ({over_read(r):+.0f} %)"
+                for r in sorted(over, key=over_read)
             ]
             if named:
-                listed = ", ".join(named[:-1]) + " and " * (len(named) > 1) + named[-1]
-                parts[within].append(f"{listed} at next_n {next_n}")
+                parts[within].append(f"{join(named)} at next_n {next_n}")
     return (
         "Within 10 % of one read where it bounds the time "
         f"({min(r['mb'] for r in bound):.0f} MB or more): "
@@ -1325,16 +1144,12 @@ def step_runs(data: dict) -> dict[tuple[str, str, bool], dict]:
 def steps_table_block(data: dict) -> str:
     """The commit each step run of a path, mode and select setting ran."""
     runs = step_runs(data)
-    lines = [
-        "| backend path | mode | select off | select on |",
-        "| --- | --- | --- | --- |",
-    ]
+    lines = []
     for path, (name, note) in STEP_PATHS.items():
         for n, (mode, label) in enumerate(STEP_MODES.items()):
             commits = [runs[path, mode, select]["commit"] for select in (False, True)]
-            title = name + (note if n == 0 else "")
-            lines.append(f"| {title} | {label} | {' | '.join(commits)} |")
-    return "\n".join(lines)
+            lines.append([name + (note if n == 0 else ""), label, *commits])
+    return table("backend path | mode | select off | select on", lines, left=4)
 
 
 @claims(VALIDATION, "docs/indexer-steps-h200.json")
@@ -1345,9 +1160,7 @@ def steps_claims(data: dict) -> list[str]:
     assert steps == {1000}, f"the path and mode runs took {steps} decode steps"
     assert sum(r["mismatches"] for r in data["runs"]) == 0, "a run mismatched"
     (short,) = {r["steps"]["decode_steps"] for r in others}
-    commits: dict[str, int] = {}
-    for r in data["runs"]:
-        commits[r["commit"]] = commits.get(r["commit"], 0) + 1
+    commits = Counter(r["commit"] for r in data["runs"])
     (newest,) = {data["runs"][-1]["commit"]}
     (older, count), *rest = [(c, n) for c, n in commits.items() if c != newest]
     assert not rest, rest
@@ -1360,33 +1173,26 @@ def steps_claims(data: dict) -> list[str]:
     ]
 
 
-def wrap(text: str) -> str:
-    """Paragraphs and list items at the README's width; tables as they
-    are."""
+# Text at the README's width, words and hyphenated words whole.
+fill = partial(textwrap.fill, width=76, break_long_words=False, break_on_hyphens=False)
 
-    def fill(part: str, indent: str = "") -> str:
-        return textwrap.fill(
-            part,
-            76,
-            subsequent_indent=indent,
-            break_long_words=False,
-            break_on_hyphens=False,
-        )
+
+def wrap(text: str) -> str:
+    """Paragraphs and list items at the README's width; tables as they are."""
 
     def paragraph(part: str) -> str:
         if part.startswith("|"):
             return part
         if part.startswith("- "):
             items = part[2:].split("\n- ")
-            return "\n".join(fill("- " + item, "  ") for item in items)
+            return "\n".join(fill("- " + i, subsequent_indent="  ") for i in items)
         return fill(part)
 
     return "\n\n".join(paragraph(part) for part in text.split("\n\n"))
 
 
 def render(name: str, source: str, root: Path = REPO) -> str:
-    """The text of block ``name`` from ``source``; ValueError where the block
-    is unknown or names another source."""
+    """The text of block ``name`` from ``source``, which must be its JSON."""
     if name not in BLOCKS:
         raise ValueError(f"figure block {name!r}: expected one of {sorted(BLOCKS)}")
     want, fn = BLOCKS[name]
@@ -1395,21 +1201,14 @@ def render(name: str, source: str, root: Path = REPO) -> str:
     return wrap(fn(json.loads((root / source).read_text())))
 
 
-def page_name(path: Path, root: Path) -> str:
-    try:
-        return path.relative_to(root).as_posix()
-    except ValueError:
-        return path.name
-
-
 def problems(path: Path | None = None, root: Path = REPO) -> list[str]:
-    """Each block of ``path`` (default: every page) that differs from its
-    JSON, with the text it should have; each registered block missing from
-    its page or found in another; each claim of the page not in it, with
-    the phrase it should be."""
+    """What ``path`` (default: every page) gets wrong: blocks that differ from
+    their JSON, are missing or belong elsewhere, and claims not found."""
     if path is None:
         return [p for page in pages(root) for p in problems(page, root)]
-    page, text, out = page_name(path, root), path.read_text(), []
+    path = path.resolve()  # a page named from the working directory
+    text, out = path.read_text(), []
+    page = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
     found = BLOCK.findall(text)
     for name, source, body in found:
         try:
@@ -1434,16 +1233,15 @@ def problems(path: Path | None = None, root: Path = REPO) -> list[str]:
         if where != page:
             continue
         data = [json.loads((root / source).read_text()) for source in sources]
+        named = ", ".join(sources)
         try:
             phrases = fn(*data)
         except AssertionError as e:
-            out.append(f"{page}: {', '.join(sources)} contradicts a label: {e}")
+            out.append(f"{page}: {named} contradicts a label: {e}")
             continue
         for phrase in phrases:
             if flat(phrase) not in flat_text:
-                out.append(
-                    f"{page}: not found; from {', '.join(sources)}: {flat(phrase)!r}"
-                )
+                out.append(f"{page}: not found; from {named}: {flat(phrase)!r}")
     return out
 
 

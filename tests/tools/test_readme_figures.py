@@ -25,6 +25,12 @@ def test_every_page_s_figures_are_their_json():
     assert rf.problems() == []
 
 
+def test_a_page_named_from_the_repository_root(monkeypatch):
+    monkeypatch.chdir(REPO)
+    for page in ("README.md", "docs/performance.md", "docs/validation.md"):
+        assert rf.problems(Path(page)) == [], page
+
+
 def test_the_docs_pages_have_blocks_and_claims():
     pages = {*rf.PAGE_OF.values(), *(page for page, _, _ in rf.CLAIMS)}
     assert {"README.md", rf.PERFORMANCE, rf.VALIDATION} <= pages
