@@ -20,7 +20,9 @@
 # 124: out of its bound). KPOOL_SANITIZE_K selects tests (pytest -k,
 # default "not graph and not deepgemm": DeepGEMM's kernels are stock's,
 # not ours); KPOOL_SANITIZE_MODULES overrides the modules,
-# KPOOL_SANITIZE_BOUND every run's bound, KPOOL_SANITIZE_PRINT_LIMIT the
+# KPOOL_SANITIZE_BOUND every run's bound, KPOOL_SANITIZE_CASES every fuzz
+# loop's cases (5 take the select's five cluster sizes in turn),
+# KPOOL_SANITIZE_PRINT_LIMIT the
 # reports a run prints (default 10000; 0: all). Logs and JUnit XML go to
 # $OUT (else a new /tmp dir). Exits non-zero if a report is in our kernels,
 # if errors went unprinted (whose kernels they are is unknown), if a test
@@ -57,7 +59,7 @@ for tool in "${tools[@]}"; do
     # exist (cuGetProcAddress), which is not a kernel's memory error. Device
     # backtraces only: the device frames name the kernel, and host frames
     # would make a log of many reports large.
-    KPOOL_FUZZ_CASES=${CASES[$tool]} timeout "${bound:-${BOUND[$tool]}}" compute-sanitizer \
+    KPOOL_FUZZ_CASES=${KPOOL_SANITIZE_CASES:-${CASES[$tool]}} timeout "${bound:-${BOUND[$tool]}}" compute-sanitizer \
       --tool "$tool" --report-api-errors no --print-limit "$print_limit" \
       --show-backtrace device --error-exitcode 99 \
       python3 -m pytest -q -p no:cacheprovider "$module" -m "gpu and not stock_topk" \
