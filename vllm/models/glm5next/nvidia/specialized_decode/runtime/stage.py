@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The ``dsa_kpool`` stage of one engine: what its planned decode steps run
-in place of the stock kpool indexer (``hook.py`` states what the indexer
-calls), and the state they need. Every launch goes through the stage's own
-kernel instances (``KpoolKernel``'s docstring): anything its warmup did not
-compile and self-check returns ``STOCK``, and the stock kernel runs."""
+in place of the stock kpool indexer (patch 0002's calls), and the state
+they need. Every launch goes through the stage's own kernel instances
+(``KpoolKernel``'s docstring): anything its warmup did not compile and
+self-check returns ``STOCK``, and the stock kernel runs."""
 
 from typing import NamedTuple
 
@@ -44,8 +44,9 @@ class StageKernels(NamedTuple):
 
 
 class LayerStep:
-    """One DSA layer's decode in a planned step: a ``hook.KpoolLayerStep``,
-    deferring to ``remap`` where given."""
+    """One DSA layer's decode in a planned step, deferring to ``remap`` where
+    given: its pool top-k goes to the layer's index conversion, and the
+    indexer leaves its logical top-k rows unfilled (``deferring``)."""
 
     def __init__(self, stage: "KpoolStage", remap: FusedRemap | None):
         self.stage, self.remap = stage, remap
@@ -73,10 +74,10 @@ class LayerStep:
         positions: torch.Tensor | None,
         buffer: torch.Tensor,
     ) -> bool:
-        """The stock decode from the scores on (``hook.KpoolLayerStep``): the
-        scores, ``as_fp32_logits``, the pool top-k (or the opt-in select),
-        then the expansion into ``buffer`` or the hand-over to the layer's
-        conversion. Rows that need padding run stock."""
+        """The stock decode from the scores on: the scores,
+        ``as_fp32_logits``, the pool top-k (or the opt-in select), then the
+        expansion into ``buffer`` or the hand-over to the layer's conversion.
+        False: the indexer runs the rows stock (rows that need padding)."""
         if decode.requires_padding or positions is None:
             return False
         next_n = q[0].shape[1]
@@ -268,9 +269,9 @@ class KpoolStage:
         pool_size: int,
         buffer: torch.Tensor,
     ) -> LayerStep | None:
-        """``hook.KpoolHook.decode_step``. The step defers its pool top-k
-        where its rows are the decode tokens in order (no prefill, padding or
-        short causal fill) and ``defers`` says it can."""
+        """``layer``'s decode in a planned step, else None (stock). It defers
+        its pool top-k where its rows are the decode tokens in order (no
+        prefill, padding or short causal fill) and ``defers`` says it can."""
         if not self.planned():
             return None
         remap, rows, width = None, metadata.num_decode_tokens, buffer.shape[1]
