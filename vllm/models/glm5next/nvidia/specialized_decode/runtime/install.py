@@ -35,11 +35,8 @@ class StageRegistry:
 
     def decode_step(self, metadata, layer, positions, topk_tokens, pool_size, buffer):
         stage = self.by_buffer.get(buffer.data_ptr())
-        if stage is None:
-            return None
-        return stage.decode_step(
-            metadata, layer, positions, topk_tokens, pool_size, buffer
-        )
+        args = (metadata, layer, positions, topk_tokens, pool_size, buffer)
+        return None if stage is None else stage.decode_step(*args)
 
 
 def registry() -> StageRegistry:

@@ -33,7 +33,8 @@ from .warmup import StageWarmup
 
 
 class StageKernels(NamedTuple):
-    """A stage's instances of the kernels (``KpoolKernel(stage)``)."""
+    """A stage's instances of the kernels: ``kind(stage)`` of each field's
+    ``KpoolKernel`` class."""
 
     update: UpdateKernel
     expand: ExpandKernel
@@ -172,14 +173,8 @@ class KpoolStage:
         self.scores_heads = served_heads(heads.pop()) if len(heads) == 1 else None
         # The warmup's verdict, replaced whole by each (empty: off).
         self.executors: dict = {}
-        self.kernels = StageKernels(
-            UpdateKernel(self),
-            ExpandKernel(self),
-            RemapKernel(self),
-            UpcastKernel(self),
-            SelectKernel(self),
-            ScoresKernel(self),
-        )
+        kinds = StageKernels.__annotations__.values()
+        self.kernels = StageKernels._make(kind(self) for kind in kinds)
         device = torch.device(device)
         # A CUDA tensor's device always carries its index.
         self.sms = sm_count(device.index or 0) if select else 0

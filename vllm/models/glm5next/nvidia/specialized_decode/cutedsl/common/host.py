@@ -64,9 +64,8 @@ def check_devices(
         if first is None:
             first = tensor
         elif tensor.get_device() != first.get_device():
-            raise mismatch(
-                name, f"a tensor on {first.device} as the others", tensor.device
-            )
+            expected = f"a tensor on {first.device} as the others"
+            raise mismatch(name, expected, tensor.device)
 
 
 @functools.cache
@@ -188,8 +187,7 @@ class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
         self.owner.warm(self, list(compile_keys))
 
     def executor(self, compile_key: CompileKeyT):
-        """The compiled executor of ``compile_key``, compiled here if
-        missing."""
+        """``compile_key``'s compiled executor, compiled here if missing."""
         return self._get_or_compile(compile_key)
 
     def launch(self, launch_spec, _inputs):
