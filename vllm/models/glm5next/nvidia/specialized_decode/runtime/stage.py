@@ -118,23 +118,18 @@ class LayerStep:
         args = (q, kv_cache, weights, seq_lens, table, decode.schedule_metadata)
         return fp8_fp4_paged_mqa_logits(*args, **keywords)
 
-    def select_runs(self, rows: int, width: int, dtype: torch.dtype) -> bool:
-        """Whether the step runs the opt-in select (rather than stock's
-        top-k): where the deployment opted in, the step defers (its pool
-        order reaches no consumer as logical rows) and
-        (``select_one_wave``) one wave of clusters holds the rows."""
-        stage = self.stage
+    def selected(self, logits, ends, k: int, out) -> bool:
+        """Whether the opt-in select (rather than stock's top-k) wrote the top
+        ``k`` pools below ``ends`` into ``out`` (no upcast): where the
+        deployment opted in, the step defers (its pool order reaches no
+        consumer as logical rows), (``select_one_wave``) one wave of clusters
+        holds the rows and the kernel takes the call."""
+        stage, (rows, width) = self.stage, logits.shape
         if not stage.select or not self.deferring:
             return False
-        return not stage.select_one_wave or one_wave(rows, width, dtype, stage.sms)
-
-    def selected(self, logits, ends, k: int, out) -> bool:
-        """Whether the opt-in select wrote the top ``k`` pools below ``ends``
-        into ``out`` (no upcast), where ``select_runs``."""
-        rows, width = logits.shape
-        if not self.select_runs(rows, width, logits.dtype):
+        if stage.select_one_wave and not one_wave(rows, width, logits.dtype, stage.sms):
             return False
-        select = self.stage.kernels.select
+        select = stage.kernels.select
         return select.serve(logits=logits, ends=ends, k=k, out=out) is not STOCK
 
 
