@@ -136,12 +136,13 @@ class LayerStep:
 class KpoolStage:
     """The kpool indexer decode kernels inside one engine's planned steps
     (stage ``dsa_kpool``), reached through ``sparse_indexer.SPECIALIZED_KPOOL``.
-    It owns the engine's state: the planned ``steps``, its kernels, its
-    warmup and the executors that warmup compiled and self-checked (none
-    before: no step is planned), the pool buffer deferring steps write, and
-    each fused layer's ``FusedRemap``. Where every DSA layer's index group can
-    take one (``fuse``), the indexer leaves its decode rows as pool ids for
-    the conversion; else ``why_not_fused`` says why, per layer."""
+    It owns the engine's state: the planned ``steps``, its kernels (it is
+    their ``host.KernelOwner``), its warmup and the executors that warmup
+    compiled and self-checked (none before: no step is planned), the pool
+    buffer deferring steps write, and each fused layer's ``FusedRemap``.
+    Where every DSA layer's index group can take one (``fuse``), the indexer
+    leaves its decode rows as pool ids for the conversion; else
+    ``why_not_fused`` says why, per layer."""
 
     def __init__(
         self,
@@ -198,8 +199,6 @@ class KpoolStage:
     def fuse(self) -> bool:
         return bool(self.remaps)
 
-    # --- What its kernels ask (``host.KernelOwner``) ----------------------
-
     def warmup_keys(self, kernel, vllm_config=None) -> list:
         return self.warmup.keys(kernel, vllm_config)
 
@@ -210,8 +209,6 @@ class KpoolStage:
         """The executor of ``compile_key`` in the warmup's last passing
         verdict, else None (stock runs). Every launch of the stage asks here."""
         return self.executors.get(compile_key)
-
-    # --- Launches ---------------------------------------------------------
 
     def upcast(self, logits: torch.Tensor, row_ends: torch.Tensor) -> torch.Tensor:
         """``as_fp32_logits``, same arguments."""
@@ -239,8 +236,6 @@ class KpoolStage:
         if not deferring:
             return torch.empty((rows, k), dtype=torch.int32, device=device)
         return self.pool_buffer.view(-1)[: rows * k].view(rows, k)
-
-    # --- Routing ----------------------------------------------------------
 
     def planned(self) -> bool:
         """Whether the current forward pass is a planned step of this stage."""
