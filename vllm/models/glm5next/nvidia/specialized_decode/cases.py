@@ -498,8 +498,7 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     # wrong there; ours is not).
     limits = [70, 600, 4000, 6000]
     contexts = [rng.randint(1, rng.choice(limits)) for _ in range(entries)]
-    next_n, heads = key.next_n, key.heads
-    padded = max(heads, 32)
+    next_n, heads, padded = key.next_n, key.heads, max(key.heads, 32)
     width = max(contexts) + rng.randint(0, 300)
     kv_cache, table = _paged_cache(contexts, key.block, width, rng, gen)
     q = _fp8((entries, next_n, padded, DIM), gen)
@@ -521,8 +520,7 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     # Read below the contexts only: DeepGEMM leaves the rest of its output
     # as allocated, and torch.where over it reads bytes no kernel wrote
     # (compute-sanitizer's initcheck reports each read).
-    kept = want.view(torch.int32)[:, :width]
-    kept[below] = stock[below]
+    want.view(torch.int32)[:, :width][below] = stock[below]
     arguments["out"] = out[:, :width]
     return Case(arguments, (out,), (want,))
 

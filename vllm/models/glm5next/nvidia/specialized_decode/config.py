@@ -123,8 +123,7 @@ def read_seed(text: str | None) -> int | None:
     digits = len(text.lstrip("0"))
     if SEED_DIGITS.fullmatch(text) and digits <= 10 and int(text) < SEED_LIMIT:
         return int(text)
-    expected = f"a decimal integer in [0, {SEED_LIMIT - 1}]"
-    raise _bad(SELF_CHECK_SEED_ENV, text, expected)
+    raise _bad(SELF_CHECK_SEED_ENV, text, f"a decimal integer in [0, {SEED_LIMIT - 1}]")
 
 
 # The most characters of a value an error or warning echoes.
@@ -170,14 +169,12 @@ def specialized_decode_config(vllm_config, environ=os.environ) -> DecodeConfig |
                 BACKEND_KEY,
             )
         return None
-    if config.stages:
-        missing = unsupported(vllm_config)
-        if missing:
-            raise ValueError(
-                f"{BACKEND_KEY}={BACKEND} needs: {'; '.join(missing)}. Or leave "
-                f"the stages out with additional_config {SKIP_KEY}="
-                f"{list(config.stages)}, or use {BACKEND_KEY}=auto."
-            )
+    if config.stages and (missing := unsupported(vllm_config)):
+        raise ValueError(
+            f"{BACKEND_KEY}={BACKEND} needs: {'; '.join(missing)}. Or leave "
+            f"the stages out with additional_config {SKIP_KEY}="
+            f"{list(config.stages)}, or use {BACKEND_KEY}=auto."
+        )
     return config
 
 

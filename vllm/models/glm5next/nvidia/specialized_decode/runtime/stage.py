@@ -54,12 +54,10 @@ class LayerStep:
         self.deferring = remap is not None
 
     def update(self, *stock_args, round_scale=True) -> None:
-        update = self.stage.kernels.update
-        mx = self.stage.mx_scales
+        update, mx = self.stage.kernels.update, self.stage.mx_scales
         if update.serve(*stock_args, mx_scales=mx, round_scale=round_scale) is STOCK:
-            kpool_decode_update_and_maybe_write_cache_batched(
-                *stock_args, round_scale=round_scale
-            )
+            stock = kpool_decode_update_and_maybe_write_cache_batched
+            stock(*stock_args, round_scale=round_scale)
 
     def decode_rows(
         self,
@@ -85,8 +83,7 @@ class LayerStep:
         seq_lens = decode.seq_lens[: q[0].shape[0]]
         rows, k = q[0].shape[0] * next_n, topk_tokens // POOL
         logits = self.scores(q, kv_cache, weights, seq_lens, decode, max_model_len)
-        ends = seq_lens.view(-1)
-        stage = self.stage
+        ends, stage = seq_lens.view(-1), self.stage
         pool_ids = stage.pool_ids(rows, k, logits.device, self.deferring)
         if not self.selected(logits, ends, k, pool_ids):
             logits = stage.upcast(logits, ends)
@@ -174,9 +171,8 @@ class KpoolStage:
         device = torch.device(device)
         # A CUDA tensor's device always carries its index.
         self.sms = sm_count(device.index or 0) if select else 0
-        self.pool_buffer = torch.empty(
-            (max_rows, MAX_GROUPS), dtype=torch.int32, device=device
-        )
+        shape = (max_rows, MAX_GROUPS)
+        self.pool_buffer = torch.empty(shape, dtype=torch.int32, device=device)
         tails = (getattr(attn.indexer, "tail_cache", None) for attn in attentions)
         self.steps = PlannedSteps(
             layer=str(attentions[0].indexer.k_cache.prefix) if attentions else "",
@@ -288,15 +284,14 @@ class KpoolStage:
             if self.mx_scales:
                 scores = "DeepGEMM scores (MX scales)"
             upcast = f"{scores}, {upcast}"
+        fused = "fused expand + remap"
+        if self.select:
+            rows = "one wave of rows" if self.select_one_wave else "every batch"
+            fused = f"select (opt-in, {rows}), {fused}"
         lines = []
         for attn, why in zip(attentions, self.why_not_fused, strict=True):
             name = str(attn.indexer.k_cache.prefix).removesuffix(".indexer.k_cache")
-            if self.fuse:
-                tail = "fused expand + remap"
-                if self.select:
-                    rows = "one wave of rows" if self.select_one_wave else "every batch"
-                    tail = f"select (opt-in, {rows}), {tail}"
-            else:
-                tail = f"expand, stock conversion ({why or 'another layer is not'})"
+            why = why or "another layer is not"
+            tail = fused if self.fuse else f"expand, stock conversion ({why})"
             lines.append(f"{name}: update ({scales}), {upcast}, {tail}")
         return lines

@@ -80,7 +80,6 @@ def check_int32(name: str, value: Any) -> None:
 
 
 def check_int(name: str, value: Any, low: int, high: int, expected: str) -> None:
-    """``value`` is an int in ``[low, high]``, not a bool."""
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if not is_int or not low <= value <= high:
         raise mismatch(name, expected, value)
@@ -114,8 +113,6 @@ def check_pool_ids(pool_ids: torch.Tensor) -> None:
 
 
 def check_vector(name: str, tensor, rows: int, expected: str, dtypes=INDEX_TYPES):
-    """``tensor`` is a unit-stride vector of ``dtypes`` with at least ``rows``
-    entries; else "``name``: expected ``expected``"."""
     if tensor.dtype not in dtypes or tensor.stride() != (1,) or tensor.shape[0] < rows:
         raise mismatch(name, expected, layout(tensor))
 

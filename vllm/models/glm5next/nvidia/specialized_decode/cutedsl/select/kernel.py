@@ -87,9 +87,8 @@ class SelectTopk:
         # The key of +0.0, where ReLU-weighted logits have their plateaus.
         self.zero_key = 1 << (self.key_bits - 1)
         self.alone_keys = min(ALONE_KEYS, self.capacity)
-        self.out_group = (
-            _OUT_GROUP if self.capacity % (THREADS * _OUT_GROUP) == 0 else _GROUP
-        )
+        whole = self.capacity % (THREADS * _OUT_GROUP) == 0
+        self.out_group = _OUT_GROUP if whole else _GROUP
         # FP32 only: on BF16 a whole bin is rare before the last pass.
         self.whole_exit = key.dtype == torch.float32
 
