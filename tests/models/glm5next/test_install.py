@@ -9,6 +9,7 @@ import inspect
 
 import pytest
 from indexer_sim import Backend, Geometry, Model, Sim, Step, assert_same, kernel_name
+from kpool_hook import KpoolHook, KpoolLayerStep
 
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonImpl,
@@ -17,10 +18,6 @@ from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 from vllm.models.glm5next.nvidia import sparse_indexer
 from vllm.models.glm5next.nvidia.specialized_decode.config import SELF_CHECK_SEED_ENV
 from vllm.models.glm5next.nvidia.specialized_decode.runtime import install
-from vllm.models.glm5next.nvidia.specialized_decode.runtime.hook import (
-    KpoolHook,
-    KpoolLayerStep,
-)
 from vllm.models.glm5next.nvidia.specialized_decode.runtime.remap import FusedRemap
 from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120 import (
     FlashInferMLASparseSM120Impl,

@@ -76,8 +76,6 @@ def poisoned(shape, dtype, gen) -> torch.Tensor:
     return bits.to(torch.uint8).view(dtype).view(shape)
 
 
-# --- kpool_update ---------------------------------------------------------------
-
 # How a request's keys and scores are drawn: ordinary, FP8 saturation, the
 # 1e-4 amax floor, zeros, ties across the pool members (the stashed ones
 # too), softmax underflow, each token its own magnitude, FP32 overflow of
@@ -170,18 +168,13 @@ def update_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     ties = torch.tensor([m == "ties" for m in modes], device=device)
     ring = tail.as_strided(*tail_view)
     ring[owner[ties], 0], ring[owner[ties], 1] = keys[ties, :1], scores[ties, :1]
-    spare = rng.choice([0, 1])
-    rows = torch.randn(requests, tokens + spare, DIM, **g).bfloat16()
+    rows = torch.randn(requests, tokens + rng.choice([0, 1]), DIM, **g).bfloat16()
     rows[:, :tokens] = keys
-    arguments = dict(
-        tail_slot_mapping=tail_slots.to(key.tail_slots_dtype),
-        key=rows[:, :tokens],
-        slot_score=scores,
-        ape=ape,
-        slot_mapping=slots.to(key.slots_dtype),
-        positions=positions.to(key.positions_dtype),
-    )
-    arguments |= dict(pool_size=POOL, head_dim=DIM, round_scale=key.round_scale)
+    arguments = dict(tail_slot_mapping=tail_slots.to(key.tail_slots_dtype))
+    arguments |= dict(key=rows[:, :tokens], slot_score=scores, ape=ape)
+    arguments |= dict(slot_mapping=slots.to(key.slots_dtype))
+    arguments |= dict(positions=positions.to(key.positions_dtype), pool_size=POOL)
+    arguments |= dict(head_dim=DIM, round_scale=key.round_scale)
     cache_view = ((pages, key.page, DIM + 4), (key.page_bytes, DIM + 4, 1))
     want = (cache.clone(), tail.clone())
     kpool_compress.kpool_decode_update_and_maybe_write_cache_batched(
@@ -190,9 +183,6 @@ def update_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     arguments |= dict(kv_cache=cache.as_strided(*cache_view), mx_scales=key.mx_scales)
     arguments["tail_kv_cache"] = tail.as_strided(*tail_view)
     return Case(arguments, (cache, tail), want)
-
-
-# --- expand_pools ---------------------------------------------------------------
 
 
 def pool_ids(rows: int, groups: int, rng, gen, limit: int | None = None):
@@ -237,8 +227,7 @@ def expand_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     cols = key.groups * POOL + POOL - 1
     width = cols + rng.choice([0, 1, 5, 128])
     width += -width % 4
-    spare = rng.choice([0, 0, 64])
-    ids = pool_ids(rows, key.groups + spare, rng, gen)[:, : key.groups]
+    ids = pool_ids(rows, key.groups + rng.choice([0, 0, 64]), rng, gen)[:, : key.groups]
     seq_lens = lengths(rows + rng.randint(0, 2), key.seq_lens_dtype, gen)
     offsets = [1, 1, 1, 0, 3, -2] if key.int32_lengths else [0, 1, 1, 3, -2]
     seq_offset = rng.choice(offsets)
@@ -254,9 +243,6 @@ def expand_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     arguments = dict(pool_ids=ids, seq_lens=seq_lens, pool_size=POOL, out=out[:rows])
     arguments |= dict(seq_offset=seq_offset, int32_lengths=key.int32_lengths)
     return Case(arguments, (out,), (want,))
-
-
-# --- expand_and_remap -----------------------------------------------------------
 
 
 def remap_case(rng: random.Random, gen: torch.Generator, key) -> Case:
@@ -308,9 +294,6 @@ def remap_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     return Case(arguments, (out, counts), (want_out, want_counts))
 
 
-# --- upcast_logits --------------------------------------------------------------
-
-
 def upcast_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     """BF16 logits with specials in padded rows (rows across the CTA groups,
     widths 1 to 70,000); row ends at 0, the width, a few tiles in, anywhere,
@@ -346,13 +329,8 @@ def upcast_case(rng: random.Random, gen: torch.Generator, key) -> Case:
         at = below.view(-1).nonzero().view(-1)
         span = (rows - 1) * stride + width  # stock's own storage
         want[at] = stock.as_strided((span,), (1,)).index_select(0, at)
-    arguments = dict(
-        logits=logits, row_ends=ends, out=out.as_strided((rows, width), (stride, 1))
-    )
-    return Case(arguments, (out,), (want,))
-
-
-# --- select_topk ----------------------------------------------------------------
+    view = out.as_strided((rows, width), (stride, 1))
+    return Case(dict(logits=logits, row_ends=ends, out=view), (out,), (want,))
 
 
 def select_reference(logits: torch.Tensor, ends: torch.Tensor, k: int):
@@ -362,11 +340,9 @@ def select_reference(logits: torch.Tensor, ends: torch.Tensor, k: int):
     ``cutedsl/common/ptx.py``). The tests hold it against their own
     statement of the contract (``select_contract.py``)."""
     rows, width = logits.shape
-    if logits.dtype == torch.bfloat16:
-        bits, sign, full = logits.view(torch.int16).long() & 0xFFFF, 1 << 15, 0xFFFF
-    else:
-        bits = logits.view(torch.int32).long() & 0xFFFFFFFF
-        sign, full = 1 << 31, 0xFFFFFFFF
+    full = (1 << 8 * logits.element_size()) - 1  # 0xFFFF or 0xFFFFFFFF
+    sign = (full + 1) >> 1
+    bits = logits.view(_BITS[logits.dtype]).long() & full
     keys = torch.where(bits & sign != 0, full - bits, bits | sign)
     ends = ends[:rows].long().clamp(0, width)
     columns = torch.arange(width, device=logits.device)
@@ -388,16 +364,16 @@ def select_shapes(key, sms: int) -> list[tuple[int, int]]:
     below = capacities[capacities.index(key.capacity) - 1]
     spans = {key.capacity, below + vector, (below + key.capacity) // 2}
     shapes = []
-    for span in sorted(spans):
-        width = span * key.cluster
-        for rows in range(1, 257):
-            if (
-                cluster_for(rows, width, key.dtype, sms) == key.cluster
-                and slice_capacity(width, key.dtype, key.cluster) == key.capacity
-            ):
-                shapes.append((rows, width))
+    for width in sorted(span * key.cluster for span in spans):
+        if slice_capacity(width, key.dtype, key.cluster) == key.capacity:
+            for rows in range(1, 257):
+                if cluster_for(rows, width, key.dtype, sms) == key.cluster:
+                    shapes.append((rows, width))
     small = [(rows, width) for rows, width in shapes if rows * width <= 1 << 23]
     return small or sorted(shapes)[:1] or [(1, key.capacity * key.cluster)]
+
+
+SELECT_KINDS = ("normal", "ties", "equal", "relu", "zeros", "lowbits", "special")
 
 
 def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
@@ -407,9 +383,7 @@ def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
     lowest bits; and specials sprinkled."""
     g = dict(generator=gen, device=gen.device)
     shape = (rows, width)
-    kind = rng.choice(
-        ["normal", "ties", "equal", "relu", "zeros", "lowbits", "special"]
-    )
+    kind = rng.choice(SELECT_KINDS)
     if kind == "ties":
         levels = torch.randn(rng.choice([1, 2, 3, 17]), **g)
         values = levels[torch.randint(0, levels.numel(), shape, **g)]
@@ -421,9 +395,8 @@ def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
     elif kind == "zeros":  # +0.0, its pass-0 bin's smallest positives, -0.0
         tiny = torch.randint(1, 1 << 24, shape, **g, dtype=torch.int32)
         pick = torch.rand(shape, **g)
-        values = torch.where(
-            pick < rng.choice([0.0, 0.002, 0.01, 0.5]), tiny.view(torch.float32), 0.0
-        )
+        rate = rng.choice([0.0, 0.002, 0.01, 0.5])
+        values = torch.where(pick < rate, tiny.view(torch.float32), 0.0)
         values = torch.where(pick > 1 - rng.choice([0.0, 0.3]), -0.0, values)
     elif kind == "lowbits":  # one sign and exponent
         unit = 1 if dtype == torch.float32 else 1 << 16
@@ -439,8 +412,7 @@ def _select_values(rows: int, width: int, dtype, rng, gen) -> torch.Tensor:
 
 
 def select_case(rng: random.Random, gen: torch.Generator, key, *, sms: int) -> Case:
-    """A case of ``key`` on ``sms`` SMs, of one of its shapes
-    (``select_shapes``)."""
+    """A case of ``key`` on ``sms`` SMs, in one of its ``select_shapes``."""
     rows, width = rng.choice(select_shapes(key, sms))
     return select_rows_case(rng, gen, key, rows, width)
 
@@ -466,9 +438,6 @@ def select_rows_case(rng, gen: torch.Generator, key, rows: int, width: int) -> C
     want[:rows, :k] = select_reference(logits, ends, k)
     arguments = dict(logits=logits, ends=ends, k=k, out=out[:rows, :k])
     return Case(arguments, (out,), (want,))
-
-
-# --- paged scores ---------------------------------------------------------------
 
 
 def deep_gemm_scores(arguments: dict) -> torch.Tensor:
@@ -529,8 +498,7 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     # wrong there; ours is not).
     limits = [70, 600, 4000, 6000]
     contexts = [rng.randint(1, rng.choice(limits)) for _ in range(entries)]
-    next_n, heads = key.next_n, key.heads
-    padded = max(heads, 32)
+    next_n, heads, padded = key.next_n, key.heads, max(key.heads, 32)
     width = max(contexts) + rng.randint(0, 300)
     kv_cache, table = _paged_cache(contexts, key.block, width, rng, gen)
     q = _fp8((entries, next_n, padded, DIM), gen)
@@ -552,8 +520,7 @@ def scores_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     # Read below the contexts only: DeepGEMM leaves the rest of its output
     # as allocated, and torch.where over it reads bytes no kernel wrote
     # (compute-sanitizer's initcheck reports each read).
-    kept = want.view(torch.int32)[:, :width]
-    kept[below] = stock[below]
+    want.view(torch.int32)[:, :width][below] = stock[below]
     arguments["out"] = out[:, :width]
     return Case(arguments, (out,), (want,))
 

@@ -123,8 +123,7 @@ def read_seed(text: str | None) -> int | None:
     digits = len(text.lstrip("0"))
     if SEED_DIGITS.fullmatch(text) and digits <= 10 and int(text) < SEED_LIMIT:
         return int(text)
-    expected = f"a decimal integer in [0, {SEED_LIMIT - 1}]"
-    raise _bad(SELF_CHECK_SEED_ENV, text, expected)
+    raise _bad(SELF_CHECK_SEED_ENV, text, f"a decimal integer in [0, {SEED_LIMIT - 1}]")
 
 
 # The most characters of a value an error or warning echoes.
@@ -170,14 +169,12 @@ def specialized_decode_config(vllm_config, environ=os.environ) -> DecodeConfig |
                 BACKEND_KEY,
             )
         return None
-    if config.stages:
-        missing = unsupported(vllm_config)
-        if missing:
-            raise ValueError(
-                f"{BACKEND_KEY}={BACKEND} needs: {'; '.join(missing)}. Or leave "
-                f"the stages out with additional_config {SKIP_KEY}="
-                f"{list(config.stages)}, or use {BACKEND_KEY}=auto."
-            )
+    if config.stages and (missing := unsupported(vllm_config)):
+        raise ValueError(
+            f"{BACKEND_KEY}={BACKEND} needs: {'; '.join(missing)}. Or leave "
+            f"the stages out with additional_config {SKIP_KEY}="
+            f"{list(config.stages)}, or use {BACKEND_KEY}=auto."
+        )
     return config
 
 
@@ -193,15 +190,11 @@ def nearest(name: str, valid: tuple[str, ...]) -> str | None:
     """The valid name ``name`` (lower case, ``_`` between words) most likely
     meant: the same words in another order, two or more of one's words (not
     only generic ones), its words run together, else the closest spelling."""
-    words, compact = _words(name), name.replace("_", "")
+    words, joined = _words(name), name.replace("_", "")
     for near in (
         [k for k in valid if _words(k) == words],
         [k for k in valid if len(words) > 1 and words - GENERIC and words < _words(k)],
-        [
-            k
-            for k in valid
-            if len(compact) >= 8 and k.replace("_", "").endswith(compact)
-        ],
+        [k for k in valid if len(joined) >= 8 and k.replace("_", "").endswith(joined)],
         difflib.get_close_matches(name, valid, n=1, cutoff=0.6),
     ):
         if near:
@@ -261,10 +254,13 @@ def unsupported(vllm_config) -> list[str]:
     from vllm.platforms import current_platform
 
     model = vllm_config.model_config
+    architectures = list(model.architectures or ())
     text = model.hf_text_config
+    topk = getattr(text, "index_topk", None)
     kpool = getattr(text, "index_kpool", None)
     head_dim = getattr(text, "index_head_dim", None)
     parallel = vllm_config.parallel_config
+    dcp = parallel.decode_context_parallel_size
     compilation = vllm_config.compilation_config
     cudagraph_mode = compilation.cudagraph_mode
     requirements = {
@@ -277,22 +273,15 @@ def unsupported(vllm_config) -> list[str]:
             )
         ),
         f"the GLM-5-Next model (architectures {' or '.join(ARCHITECTURES)}; "
-        f"found {list(model.architectures or ())})": bool(
-            set(model.architectures or ()) & set(ARCHITECTURES)
-        ),
+        f"found {architectures})": bool(set(architectures) & set(ARCHITECTURES)),
         f"the kpool sparse indexer of the model config: index_kpool {POOL} and "
-        f"index_head_dim {DIM} with an index_topk (found index_topk "
-        f"{getattr(text, 'index_topk', None)}, index_kpool {kpool}, "
-        f"index_head_dim {head_dim})": (
-            getattr(text, "index_topk", None) is not None
-            and kpool == POOL
-            and head_dim == DIM
+        f"index_head_dim {DIM} with an index_topk (found index_topk {topk}, "
+        f"index_kpool {kpool}, index_head_dim {head_dim})": (
+            topk is not None and kpool == POOL and head_dim == DIM
         ),
         # A deferred top-k skips the stock DCP merge and filtered conversion.
         "no decode context parallelism (--decode-context-parallel-size 1; "
-        f"found {parallel.decode_context_parallel_size})": (
-            parallel.decode_context_parallel_size == 1
-        ),
+        f"found {dcp})": dcp == 1,
         # Micro-batches would interleave the layers' hand-offs.
         "no micro-batching (leave out --enable-dbo and ubatch_size)": (
             not parallel.use_ubatching
@@ -323,10 +312,8 @@ def decode_capacity(vllm_config) -> int:
     """Decode rows of one step: max_num_seqs x (1 + speculative tokens), at
     most max_num_batched_tokens (as the sparse MLA index groups are sized)."""
     scheduler = vllm_config.scheduler_config
-    return min(
-        scheduler.max_num_batched_tokens,
-        scheduler.max_num_seqs * decode_next_n(vllm_config),
-    )
+    rows = scheduler.max_num_seqs * decode_next_n(vllm_config)
+    return min(scheduler.max_num_batched_tokens, rows)
 
 
 def decode_next_n(vllm_config) -> int:

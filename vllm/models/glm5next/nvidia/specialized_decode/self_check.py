@@ -30,26 +30,24 @@ def check(executors: dict, seed: int, device) -> str | None:
             gen = torch.Generator(device).manual_seed(seed + case)
             extra = {"sms": sm_count(device.index or 0)} if kernel is SELECT else {}
             drawn = DRAWS[kernel](rng, gen, key, **extra)
+            where = f"{name} case {case} (seed {seed + case})"
             try:
                 derived, args, _ = kernel.spec(**drawn.arguments)
             except Refused as error:
-                return f"{name} case {case} (seed {seed + case}): refused: {error}"
+                return f"{where}: refused: {error}"
             if derived != key:
-                return (
-                    f"{name} case {case} (seed {seed + case}): derives {derived}, "
-                    f"not {key}"
-                )
+                return f"{where}: derives {derived}, not {key}"
             if args is not None:
                 executor(*args)
             differs = [
                 (got.view(torch.uint8) != want.view(torch.uint8)).any()
                 for got, want in zip(drawn.written, drawn.expected, strict=True)
             ]
-            results.append((name, key, case, torch.stack(differs).any()))
+            results.append((where, key, torch.stack(differs).any()))
     if not results:
         return None
-    bad = torch.stack([r[3] for r in results]).tolist()  # the one sync
-    for (name, key, case, _), differs in zip(results, bad, strict=True):
+    bad = torch.stack([r[2] for r in results]).tolist()  # the one sync
+    for (where, key, _), differs in zip(results, bad, strict=True):
         if differs:
-            return f"{name} case {case} (seed {seed + case}) differs from stock: {key}"
+            return f"{where} differs from stock: {key}"
     return None

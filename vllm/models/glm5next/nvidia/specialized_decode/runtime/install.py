@@ -13,7 +13,8 @@ logger = init_logger(__name__)
 
 
 class StageRegistry:
-    """``sparse_indexer.SPECIALIZED_KPOOL`` (a ``hook.KpoolHook``): each
+    """``sparse_indexer.SPECIALIZED_KPOOL``, whose ``decode_step`` patch 0002
+    calls (``KpoolStage.decode_step``, None without a stage): each
     engine's ``KpoolStage``, by the data pointer of its indexer top-k buffer,
     which every DSA layer of one model shares and no two models do. The
     model holds its stage (patch 0003) and the registry only refers to it,
@@ -34,11 +35,8 @@ class StageRegistry:
 
     def decode_step(self, metadata, layer, positions, topk_tokens, pool_size, buffer):
         stage = self.by_buffer.get(buffer.data_ptr())
-        if stage is None:
-            return None
-        return stage.decode_step(
-            metadata, layer, positions, topk_tokens, pool_size, buffer
-        )
+        args = (metadata, layer, positions, topk_tokens, pool_size, buffer)
+        return None if stage is None else stage.decode_step(*args)
 
 
 def registry() -> StageRegistry:

@@ -29,11 +29,8 @@ def group_converting_decodes() -> tuple:
     )
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
 
-    return (
-        SparseMLACommonImpl.forward_mqa,
-        FlashMLASparseImpl.forward_mqa,
-        FlashInferMLASparseSM90Impl.forward_mqa,
-    )
+    impls = (SparseMLACommonImpl, FlashMLASparseImpl, FlashInferMLASparseSM90Impl)
+    return tuple(impl.forward_mqa for impl in impls)
 
 
 def why_not_fusable(impl, group) -> str | None:

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The ``dsa_kpool`` stage of one engine: what its planned decode steps run
-in place of the stock kpool indexer (``hook.py`` states what the indexer
-calls), and the state they need. Every launch goes through the stage's own
-kernel instances (``KpoolKernel``'s docstring): anything its warmup did not
-compile and self-check returns ``STOCK``, and the stock kernel runs."""
+in place of the stock kpool indexer (patch 0002's calls), and the state
+they need. Every launch goes through the stage's own kernel instances
+(``KpoolKernel``'s docstring): anything its warmup did not compile and
+self-check returns ``STOCK``, and the stock kernel runs."""
 
 from typing import NamedTuple
 
@@ -33,7 +33,8 @@ from .warmup import StageWarmup
 
 
 class StageKernels(NamedTuple):
-    """A stage's instances of the kernels (``KpoolKernel(stage)``)."""
+    """A stage's instances of the kernels: ``kind(stage)`` of each field's
+    ``KpoolKernel`` class."""
 
     update: UpdateKernel
     expand: ExpandKernel
@@ -44,20 +45,19 @@ class StageKernels(NamedTuple):
 
 
 class LayerStep:
-    """One DSA layer's decode in a planned step: a ``hook.KpoolLayerStep``,
-    deferring to ``remap`` where given."""
+    """One DSA layer's decode in a planned step, deferring to ``remap`` where
+    given: its pool top-k goes to the layer's index conversion, and the
+    indexer leaves its logical top-k rows unfilled (``deferring``)."""
 
     def __init__(self, stage: "KpoolStage", remap: FusedRemap | None):
         self.stage, self.remap = stage, remap
         self.deferring = remap is not None
 
     def update(self, *stock_args, round_scale=True) -> None:
-        update = self.stage.kernels.update
-        mx = self.stage.mx_scales
+        update, mx = self.stage.kernels.update, self.stage.mx_scales
         if update.serve(*stock_args, mx_scales=mx, round_scale=round_scale) is STOCK:
-            kpool_decode_update_and_maybe_write_cache_batched(
-                *stock_args, round_scale=round_scale
-            )
+            stock = kpool_decode_update_and_maybe_write_cache_batched
+            stock(*stock_args, round_scale=round_scale)
 
     def decode_rows(
         self,
@@ -73,18 +73,17 @@ class LayerStep:
         positions: torch.Tensor | None,
         buffer: torch.Tensor,
     ) -> bool:
-        """The stock decode from the scores on (``hook.KpoolLayerStep``): the
-        scores, ``as_fp32_logits``, the pool top-k (or the opt-in select),
-        then the expansion into ``buffer`` or the hand-over to the layer's
-        conversion. Rows that need padding run stock."""
+        """The stock decode from the scores on: the scores,
+        ``as_fp32_logits``, the pool top-k (or the opt-in select), then the
+        expansion into ``buffer`` or the hand-over to the layer's conversion.
+        False: the indexer runs the rows stock (rows that need padding)."""
         if decode.requires_padding or positions is None:
             return False
         next_n = q[0].shape[1]
         seq_lens = decode.seq_lens[: q[0].shape[0]]
         rows, k = q[0].shape[0] * next_n, topk_tokens // POOL
         logits = self.scores(q, kv_cache, weights, seq_lens, decode, max_model_len)
-        ends = seq_lens.view(-1)
-        stage = self.stage
+        ends, stage = seq_lens.view(-1), self.stage
         pool_ids = stage.pool_ids(rows, k, logits.device, self.deferring)
         if not self.selected(logits, ends, k, pool_ids):
             logits = stage.upcast(logits, ends)
@@ -116,35 +115,31 @@ class LayerStep:
         args = (q, kv_cache, weights, seq_lens, table, decode.schedule_metadata)
         return fp8_fp4_paged_mqa_logits(*args, **keywords)
 
-    def select_runs(self, rows: int, width: int, dtype: torch.dtype) -> bool:
-        """Whether the step runs the opt-in select (rather than stock's
-        top-k): where the deployment opted in, the step defers (its pool
-        order reaches no consumer as logical rows) and
-        (``select_one_wave``) one wave of clusters holds the rows."""
-        stage = self.stage
+    def selected(self, logits, ends, k: int, out) -> bool:
+        """Whether the opt-in select (rather than stock's top-k) wrote the top
+        ``k`` pools below ``ends`` into ``out`` (no upcast): where the
+        deployment opted in, the step defers (its pool order reaches no
+        consumer as logical rows), (``select_one_wave``) one wave of clusters
+        holds the rows and the kernel takes the call."""
+        stage, (rows, width) = self.stage, logits.shape
         if not stage.select or not self.deferring:
             return False
-        return not stage.select_one_wave or one_wave(rows, width, dtype, stage.sms)
-
-    def selected(self, logits, ends, k: int, out) -> bool:
-        """Whether the opt-in select wrote the top ``k`` pools below ``ends``
-        into ``out`` (no upcast), where ``select_runs``."""
-        rows, width = logits.shape
-        if not self.select_runs(rows, width, logits.dtype):
+        if stage.select_one_wave and not one_wave(rows, width, logits.dtype, stage.sms):
             return False
-        select = self.stage.kernels.select
+        select = stage.kernels.select
         return select.serve(logits=logits, ends=ends, k=k, out=out) is not STOCK
 
 
 class KpoolStage:
     """The kpool indexer decode kernels inside one engine's planned steps
     (stage ``dsa_kpool``), reached through ``sparse_indexer.SPECIALIZED_KPOOL``.
-    It owns the engine's state: the planned ``steps``, its kernels, its
-    warmup and the executors that warmup compiled and self-checked (none
-    before: no step is planned), the pool buffer deferring steps write, and
-    each fused layer's ``FusedRemap``. Where every DSA layer's index group can
-    take one (``fuse``), the indexer leaves its decode rows as pool ids for
-    the conversion; else ``why_not_fused`` says why, per layer."""
+    It owns the engine's state: the planned ``steps``, its kernels (it is
+    their ``host.KernelOwner``), its warmup and the executors that warmup
+    compiled and self-checked (none before: no step is planned), the pool
+    buffer deferring steps write, and each fused layer's ``FusedRemap``.
+    Where every DSA layer's index group can take one (``fuse``), the indexer
+    leaves its decode rows as pool ids for the conversion; else
+    ``why_not_fused`` says why, per layer."""
 
     def __init__(
         self,
@@ -171,20 +166,13 @@ class KpoolStage:
         self.scores_heads = served_heads(heads.pop()) if len(heads) == 1 else None
         # The warmup's verdict, replaced whole by each (empty: off).
         self.executors: dict = {}
-        self.kernels = StageKernels(
-            UpdateKernel(self),
-            ExpandKernel(self),
-            RemapKernel(self),
-            UpcastKernel(self),
-            SelectKernel(self),
-            ScoresKernel(self),
-        )
+        kinds = StageKernels.__annotations__.values()
+        self.kernels = StageKernels._make(kind(self) for kind in kinds)
         device = torch.device(device)
         # A CUDA tensor's device always carries its index.
         self.sms = sm_count(device.index or 0) if select else 0
-        self.pool_buffer = torch.empty(
-            (max_rows, MAX_GROUPS), dtype=torch.int32, device=device
-        )
+        shape = (max_rows, MAX_GROUPS)
+        self.pool_buffer = torch.empty(shape, dtype=torch.int32, device=device)
         tails = (getattr(attn.indexer, "tail_cache", None) for attn in attentions)
         self.steps = PlannedSteps(
             layer=str(attentions[0].indexer.k_cache.prefix) if attentions else "",
@@ -207,8 +195,6 @@ class KpoolStage:
     def fuse(self) -> bool:
         return bool(self.remaps)
 
-    # --- What its kernels ask (``host.KernelOwner``) ----------------------
-
     def warmup_keys(self, kernel, vllm_config=None) -> list:
         return self.warmup.keys(kernel, vllm_config)
 
@@ -219,8 +205,6 @@ class KpoolStage:
         """The executor of ``compile_key`` in the warmup's last passing
         verdict, else None (stock runs). Every launch of the stage asks here."""
         return self.executors.get(compile_key)
-
-    # --- Launches ---------------------------------------------------------
 
     def upcast(self, logits: torch.Tensor, row_ends: torch.Tensor) -> torch.Tensor:
         """``as_fp32_logits``, same arguments."""
@@ -249,8 +233,6 @@ class KpoolStage:
             return torch.empty((rows, k), dtype=torch.int32, device=device)
         return self.pool_buffer.view(-1)[: rows * k].view(rows, k)
 
-    # --- Routing ----------------------------------------------------------
-
     def planned(self) -> bool:
         """Whether the current forward pass is a planned step of this stage."""
         return (
@@ -268,9 +250,9 @@ class KpoolStage:
         pool_size: int,
         buffer: torch.Tensor,
     ) -> LayerStep | None:
-        """``hook.KpoolHook.decode_step``. The step defers its pool top-k
-        where its rows are the decode tokens in order (no prefill, padding or
-        short causal fill) and ``defers`` says it can."""
+        """``layer``'s decode in a planned step, else None (stock). It defers
+        its pool top-k where its rows are the decode tokens in order (no
+        prefill, padding or short causal fill) and ``defers`` says it can."""
         if not self.planned():
             return None
         remap, rows, width = None, metadata.num_decode_tokens, buffer.shape[1]
@@ -302,15 +284,14 @@ class KpoolStage:
             if self.mx_scales:
                 scores = "DeepGEMM scores (MX scales)"
             upcast = f"{scores}, {upcast}"
+        fused = "fused expand + remap"
+        if self.select:
+            rows = "one wave of rows" if self.select_one_wave else "every batch"
+            fused = f"select (opt-in, {rows}), {fused}"
         lines = []
         for attn, why in zip(attentions, self.why_not_fused, strict=True):
             name = str(attn.indexer.k_cache.prefix).removesuffix(".indexer.k_cache")
-            if self.fuse:
-                tail = "fused expand + remap"
-                if self.select:
-                    rows = "one wave of rows" if self.select_one_wave else "every batch"
-                    tail = f"select (opt-in, {rows}), {tail}"
-            else:
-                tail = f"expand, stock conversion ({why or 'another layer is not'})"
+            why = why or "another layer is not"
+            tail = fused if self.fuse else f"expand, stock conversion ({why})"
             lines.append(f"{name}: update ({scales}), {upcast}, {tail}")
         return lines

@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The stage's JIT warmup: the kernel variants a planned step of its layers
-can launch, compiled before CUDA graph capture, then self-checked, and the
-verdict agreed over the tensor-parallel group."""
+"""The stage's JIT warmup (``StageWarmup``) and the values its kernels' keys
+come from (``deployment_values``)."""
 
 import time
 from typing import Any
@@ -84,8 +83,7 @@ def scores_values(stage, indexer, kv) -> list[tuple[Any, dict]]:
     heads and page size (else none: DeepGEMM runs): each ``next_n`` from 1
     to the stage's that the kernel and DeepGEMM take (another runs
     DeepGEMM, or never reaches it)."""
-    heads = served_heads(indexer.n_head)
-    block = kv.shape[1]
+    heads, block = served_heads(indexer.n_head), kv.shape[1]
     if heads is None or block not in BLOCKS:
         return []
     # The indexer's metadata flattens a step of a next_n DeepGEMM does not
@@ -126,8 +124,7 @@ class StageWarmup:
 
     def __init__(self, stage, attentions, self_check: str = "on", seed=None):
         self.stage, self.attentions = stage, list(attentions)
-        self.self_check = self_check
-        self.seed = SEED if seed is None else seed
+        self.self_check, self.seed = self_check, SEED if seed is None else seed
         # What this warmup compiled (key -> executor).
         self.executors: dict = {}
         self.done: set = set()
@@ -137,7 +134,6 @@ class StageWarmup:
         self.error: Exception | None = None
 
     def register(self) -> None:
-        """Registers the stage's kernels with the active warmup registry."""
         for kernel in self.stage.kernels:
             kernel.register_warmup()
 
@@ -166,10 +162,9 @@ class StageWarmup:
             self.finish()
 
     def finish(self) -> None:
-        """Self-checks the compiled keys (unless "off"), then the TP ranks
-        agree: the stage's executors become those keys' on every rank or
-        none on any, and each rank logs one line. "strict": a failure raises
-        on every rank, once the ranks agreed."""
+        """Self-checks the compiled keys (unless "off") and applies the TP
+        ranks' verdict (the class's docstring); each rank logs one line.
+        "strict": a failure raises on every rank, once the ranks agreed."""
         executors, problem, error = dict(self.executors), None, self.error
         elapsed = 0.0
         if error is None and self.self_check != "off":
@@ -177,7 +172,6 @@ class StageWarmup:
                 from .. import self_check
 
                 started = time.perf_counter()
-                # The first mismatch (the kernel, the case, its seed), or None.
                 device = self.stage.pool_buffer.device
                 problem = self_check.check(executors, self.seed, device)
                 elapsed = time.perf_counter() - started
@@ -208,8 +202,7 @@ class StageWarmup:
     def failure(self, problem, error, failed: list[int], ranks: int) -> str:
         """The line of a warmup after which the stage stays off: this rank's
         error or self-check failure, else the TP ranks that failed."""
-        prefix = "GLM-5-Next specialized decode: "
-        where = ""
+        prefix, where = "GLM-5-Next specialized decode: ", ""
         if ranks > 1:
             listed = ", ".join(map(str, failed))
             where = f" on every TP rank (failed: rank {listed} of {ranks})"

@@ -64,9 +64,8 @@ def check_devices(
         if first is None:
             first = tensor
         elif tensor.get_device() != first.get_device():
-            raise mismatch(
-                name, f"a tensor on {first.device} as the others", tensor.device
-            )
+            expected = f"a tensor on {first.device} as the others"
+            raise mismatch(name, expected, tensor.device)
 
 
 @functools.cache
@@ -81,7 +80,6 @@ def check_int32(name: str, value: Any) -> None:
 
 
 def check_int(name: str, value: Any, low: int, high: int, expected: str) -> None:
-    """``value`` is an int in ``[low, high]``, not a bool."""
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if not is_int or not low <= value <= high:
         raise mismatch(name, expected, value)
@@ -115,8 +113,6 @@ def check_pool_ids(pool_ids: torch.Tensor) -> None:
 
 
 def check_vector(name: str, tensor, rows: int, expected: str, dtypes=INDEX_TYPES):
-    """``tensor`` is a unit-stride vector of ``dtypes`` with at least ``rows``
-    entries; else "``name``: expected ``expected``"."""
     if tensor.dtype not in dtypes or tensor.stride() != (1,) or tensor.shape[0] < rows:
         raise mismatch(name, expected, layout(tensor))
 
@@ -188,8 +184,7 @@ class KpoolKernel(VllmCuTeDSLJitKernel[CompileKeyT], Generic[CompileKeyT]):
         self.owner.warm(self, list(compile_keys))
 
     def executor(self, compile_key: CompileKeyT):
-        """The compiled executor of ``compile_key``, compiled here if
-        missing."""
+        """``compile_key``'s compiled executor, compiled here if missing."""
         return self._get_or_compile(compile_key)
 
     def launch(self, launch_spec, _inputs):

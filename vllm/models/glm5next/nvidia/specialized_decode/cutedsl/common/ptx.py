@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Device helpers of the kpool decode kernels: inline PTX (every operation
-whose rounding matters is one instruction, which LLVM can neither contract
-nor re-associate), memory access (global, shared and a cluster peer's
-shared memory), the order keys of FP32 and BF16 bits, a CTA-wide scan."""
+"""Device helpers of the kpool decode kernels, in this order: inline PTX,
+memory access (global, shared and a cluster peer's shared memory), bit casts
+and packing, the order keys of FP32 and BF16 bits, FP32 and integer
+arithmetic as Triton emits it (every operation whose rounding matters is one
+instruction, which LLVM can neither contract nor re-associate), a CTA scan."""
 
 import functools
 
@@ -71,9 +72,6 @@ def _registers(count: int, first: int) -> tuple[str, str]:
     """The vector suffix and register list of a ``count``-word access."""
     names = ",".join(f"${first + i}" for i in range(count))
     return (f".v{count}", "{" + names + "}") if count > 1 else ("", names)
-
-
-# --- Memory ---------------------------------------------------------------
 
 
 def load_words(pointer, count: int):
@@ -169,9 +167,6 @@ def store_shared(address, word):
     return "st.shared.b32 [$0],$1;", "r,r,~{memory}", (Int32(address), Uint32(word))
 
 
-# --- Bits -----------------------------------------------------------------
-
-
 def float_bits(value) -> Uint32:
     return Uint32(llvm.bitcast(T.i32(), Float32(value).ir_value()))
 
@@ -194,11 +189,7 @@ def pack_fp8(a, b, c, d):
         "{ .reg .b16 lo,hi; cvt.rn.satfinite.e4m3x2.f32 lo,$2,$1; "
         "cvt.rn.satfinite.e4m3x2.f32 hi,$4,$3; mov.b32 $0,{lo,hi}; }"
     )
-    values = tuple(Float32(v) for v in (a, b, c, d))
-    return code, "=r,f,f,f,f", values
-
-
-# --- Order keys -----------------------------------------------------------
+    return code, "=r,f,f,f,f", tuple(Float32(v) for v in (a, b, c, d))
 
 
 @inline_ptx(Uint32, pure=True)
@@ -218,9 +209,6 @@ def order_key16(half):
         "or.b32 m,m,0x80000000; xor.b32 t,t,m; shr.b32 $0,t,16; }"
     )
     return code, "=r,r", (Uint32(half),)
-
-
-# --- FP32 arithmetic as Triton emits it -----------------------------------
 
 
 @inline_ptx(Float32, pure=True)
@@ -278,9 +266,6 @@ def ceil(value):
     return "cvt.rpi.f32.f32 $0,$1;", "=f,f", (Float32(value),)
 
 
-# --- Integer arithmetic as Triton emits it --------------------------------
-
-
 def trunc_div(value, divisor: int, width: type = Int32):
     """``value // divisor`` rounded toward zero, as Triton (C) divides signed
     integers; the DSL's ``//`` floors. ``divisor`` is a power of two and
@@ -290,14 +275,10 @@ def trunc_div(value, divisor: int, width: type = Int32):
     value = width(value)
     if shift == 0:
         return value
-    bits = 64 if width is Int64 else 32
-    unsigned = Uint64 if width is Int64 else Uint32
+    bits, unsigned = (64, Uint64) if width is Int64 else (32, Uint32)
     # Bias negative values by divisor - 1 so the arithmetic shift truncates.
     bias = width(unsigned(value >> (bits - 1)) >> (bits - shift))
     return (value + bias) >> shift
-
-
-# --- A CTA ------------------------------------------------------------------
 
 
 @cute.jit

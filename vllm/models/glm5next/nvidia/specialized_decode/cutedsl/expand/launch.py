@@ -72,11 +72,8 @@ class ExpandKernel(KpoolKernel["ExpandKernel.CompileKey"]):
         int32_lengths: bool = False,
     ):
         check(pool_ids, seq_lens, pool_size, seq_offset, out)
-        key = self.dispatch(
-            groups=pool_ids.shape[1],
-            seq_lens_dtype=seq_lens.dtype,
-            int32_lengths=bool(int32_lengths),
-        )
+        fields = dict(seq_lens_dtype=seq_lens.dtype, int32_lengths=bool(int32_lengths))
+        key = self.dispatch(groups=pool_ids.shape[1], **fields)
         args = (pool_ids, seq_lens, out, seq_offset) if pool_ids.shape[0] else None
         return key, args, out
 

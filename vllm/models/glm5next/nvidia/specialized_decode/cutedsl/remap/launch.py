@@ -174,15 +174,10 @@ class RemapKernel(KpoolKernel["RemapKernel.CompileKey"]):
             stride_rows,
             seq_offset,
         )
-        key = self.dispatch(
-            groups=pool_ids.shape[1],
-            width=out.shape[1],
-            block_size=block_size,
-            stride_rows=stride_rows,
-            positions_dtype=positions.dtype,
-            int32_lengths=bool(int32_lengths),
-            counts=counts is not None,
-        )
+        fields = dict(groups=pool_ids.shape[1], width=out.shape[1])
+        fields |= dict(block_size=block_size, stride_rows=stride_rows)
+        fields |= dict(positions_dtype=positions.dtype, counts=counts is not None)
+        key = self.dispatch(**fields, int32_lengths=bool(int32_lengths))
         args = None
         if req_ids.shape[0]:
             args = (pool_ids, positions, req_ids, block_table, out, counts, seq_offset)
@@ -191,17 +186,14 @@ class RemapKernel(KpoolKernel["RemapKernel.CompileKey"]):
     __call__ = kernel_launcher(spec)
 
     def warmup_inputs(self, compile_key: CompileKey) -> tuple:
-        k = compile_key
-        rows = cute.sym_int()
+        k, rows = compile_key, cute.sym_int()
         ids = fake(torch.int32, (cute.sym_int(), k.groups), (cute.sym_int64(), 1))
         positions = fake(k.positions_dtype, (cute.sym_int(),), (1,))
         req_ids = fake(torch.int32, (rows,), (1,))
         shape = (cute.sym_int(), cute.sym_int())
         table = fake(torch.int32, shape, (cute.sym_int64(), 1))
         out = fake(torch.int32, (rows, k.width), (k.width, 1), 16)
-        counts = None
-        if k.counts:
-            counts = fake(torch.int32, (cute.sym_int(),), (1,))
+        counts = fake(torch.int32, (cute.sym_int(),), (1,)) if k.counts else None
         return ids, positions, req_ids, table, out, counts, Int32(0)
 
 

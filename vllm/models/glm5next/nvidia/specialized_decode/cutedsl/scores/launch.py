@@ -169,9 +169,8 @@ class ScoresKernel(KpoolKernel["ScoresKernel.CompileKey"]):
         values = q[0]
         entries, next_n, heads, _ = values.shape
         if out is None:
-            out = values.new_empty(
-                (entries * next_n, row_stride(max_model_len)), dtype=torch.float32
-            )[:, :max_model_len]
+            shape = (entries * next_n, row_stride(max_model_len))
+            out = values.new_empty(shape, dtype=torch.float32)[:, :max_model_len]
         key = self.dispatch(heads=heads, next_n=next_n, block=kv_cache.shape[1])
         splits = splits_for(entries, max_model_len, sm_count(values.get_device()))
         tensors = (values, kv_cache, weights, seq_lens, block_table, out)

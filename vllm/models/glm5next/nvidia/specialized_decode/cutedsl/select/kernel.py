@@ -38,7 +38,6 @@ BINS = 256
 CAPACITIES = (4096, 8192, 16384, 32768, 53248)
 # 16 bytes a thread loads at once: 4 FP32 or 8 BF16 columns.
 VECTOR = {torch.float32: 4, torch.bfloat16: 8}
-_KEY_BITS = {torch.float32: 32, torch.bfloat16: 16}
 # Keys a thread takes from shared memory at once in a pass (one 16-byte
 # load) and in the compaction (two, where the capacity holds them: one
 # CTA-wide scan for each 8192 keys).
@@ -47,17 +46,13 @@ _TILE = THREADS * _GROUP
 _OUT_GROUP = 8
 # The most keys a row's CTA 0 selects alone (a row of up to one full slice).
 ALONE_KEYS = 8192
-# The key of +0.0, where ReLU-weighted logits have their plateaus.
-_ZERO_KEY = {torch.float32: 0x80000000, torch.bfloat16: 0x8000}
 # Shared words a CTA has besides its keys: two histograms, two scans' warp
 # totals and what a pass finds (``found``, see ``select_row``).
 FOUND = 6
 SCRATCH_WORDS = 2 * BINS + 2 * WARPS + FOUND
-# An SM's shared memory and threads (Hopper and the SM100
-# family), and the shared memory the system keeps per CTA.
-SM_SHARED_BYTES = 228 * 1024
-SM_THREADS = 2048
-CTA_RESERVED_BYTES = 1024
+# An SM's shared memory and threads (Hopper and the SM100 family), and the
+# shared memory the system keeps per CTA.
+SM_SHARED_BYTES, SM_THREADS, CTA_RESERVED_BYTES = 228 * 1024, 2048, 1024
 
 
 def ctas_per_sm(capacity: int) -> int:
@@ -86,14 +81,14 @@ class SelectTopk:
         self.k, self.cluster, self.capacity = key.k, key.cluster, key.capacity
         self.bf16 = key.dtype == torch.bfloat16
         self.vector = VECTOR[key.dtype]
-        self.key_bits = _KEY_BITS[key.dtype]
         self.digits = DIGITS[key.dtype]
+        self.key_bits = sum(self.digits)
         self.unroll = _UNROLL[key.dtype]
-        self.zero_key = _ZERO_KEY[key.dtype]
+        # The key of +0.0, where ReLU-weighted logits have their plateaus.
+        self.zero_key = 1 << (self.key_bits - 1)
         self.alone_keys = min(ALONE_KEYS, self.capacity)
-        self.out_group = (
-            _OUT_GROUP if self.capacity % (THREADS * _OUT_GROUP) == 0 else _GROUP
-        )
+        whole = self.capacity % (THREADS * _OUT_GROUP) == 0
+        self.out_group = _OUT_GROUP if whole else _GROUP
         # FP32 only: on BF16 a whole bin is rare before the last pass.
         self.whole_exit = key.dtype == torch.float32
 

@@ -62,9 +62,8 @@ class UpcastKernel(KpoolKernel["UpcastKernel.CompileKey"]):
     ):
         check(logits, row_ends, out)
         if out is None:
-            out = logits.new_empty_strided(
-                logits.shape, logits.stride(), dtype=torch.float32
-            )
+            shape, stride = logits.shape, logits.stride()
+            out = logits.new_empty_strided(shape, stride, dtype=torch.float32)
         args = (logits, out, row_ends, CTAS) if logits.numel() else None
         return self.dispatch(), args, out
 

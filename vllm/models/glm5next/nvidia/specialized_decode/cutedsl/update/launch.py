@@ -29,8 +29,7 @@ def check(tensors: tuple, pool_size, head_dim) -> None:
     """What ``KpoolUpdate``'s 4- and 8-byte accesses and its warp per request
     take of ``tensors`` (``TENSORS``), ``pool_size``, ``head_dim``."""
     check_devices(TENSORS, *tensors)
-    kv_cache, tail, tail_slot_mapping, key, slot_score, ape = tensors[:6]
-    slot_mapping, positions = tensors[6:]
+    kv_cache, tail, _, key, slot_score, ape = tensors[:6]
     if head_dim != DIM:
         raise mismatch("head_dim", str(DIM), head_dim)
     check_pool_size(pool_size)
@@ -82,11 +81,8 @@ def check(tensors: tuple, pool_size, head_dim) -> None:
     ):
         raise mismatch("ape", "a contiguous fp32 [4, 128]", layout(ape))
     tokens = rows[:2]
-    for name, t in (
-        ("tail_slot_mapping", tail_slot_mapping),
-        ("slot_mapping", slot_mapping),
-        ("positions", positions),
-    ):
+    for name in ("tail_slot_mapping", "slot_mapping", "positions"):
+        t = tensors[TENSORS.index(name)]
         if t.dtype not in INDEX_TYPES or t.shape != tokens or not t.is_contiguous():
             expected = "a contiguous int32/int64 [requests, tokens]"
             raise mismatch(name, expected, layout(t))

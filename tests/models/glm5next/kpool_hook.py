@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What the GLM-5-Next sparse indexer (patch 0002) calls, in one place:
+"""What the GLM-5-Next sparse indexer (patch 0002) calls, as ``Protocol``s
+the stage is held to (``test_install.py``):
 ``sparse_indexer.SPECIALIZED_KPOOL`` is a ``KpoolHook``
 (``install.StageRegistry``) or None; its ``decode_step`` gives a
 ``KpoolLayerStep`` (``stage.LayerStep``) or None (stock)."""
