@@ -170,11 +170,15 @@ def update_case(rng: random.Random, gen: torch.Generator, key) -> Case:
     ring[owner[ties], 0], ring[owner[ties], 1] = keys[ties, :1], scores[ties, :1]
     rows = torch.randn(requests, tokens + rng.choice([0, 1]), DIM, **g).bfloat16()
     rows[:, :tokens] = keys
-    arguments = dict(tail_slot_mapping=tail_slots.to(key.tail_slots_dtype))
-    arguments |= dict(key=rows[:, :tokens], slot_score=scores, ape=ape)
-    arguments |= dict(slot_mapping=slots.to(key.slots_dtype))
-    arguments |= dict(positions=positions.to(key.positions_dtype), pool_size=POOL)
-    arguments |= dict(head_dim=DIM, round_scale=key.round_scale)
+    arguments = dict(
+        tail_slot_mapping=tail_slots.to(key.tail_slots_dtype),
+        key=rows[:, :tokens],
+        slot_score=scores,
+        ape=ape,
+        slot_mapping=slots.to(key.slots_dtype),
+        positions=positions.to(key.positions_dtype),
+    )
+    arguments |= dict(pool_size=POOL, head_dim=DIM, round_scale=key.round_scale)
     cache_view = ((pages, key.page, DIM + 4), (key.page_bytes, DIM + 4, 1))
     want = (cache.clone(), tail.clone())
     kpool_compress.kpool_decode_update_and_maybe_write_cache_batched(
