@@ -501,6 +501,10 @@ class Model:
         self.forwards = torch.zeros(1, dtype=torch.int64, device=dev)
         rows = (geo.capacity if capacity is None else capacity) + 1
         snap = dict(logical=(t, w), physical=(t, w), counts=(t,), flags=(2,))
+        # What the stage reads of each layer's indexer besides its caches.
+        every_indexer = dict(topk_indices_buffer=self.buffer, topk_tokens=geo.topk)
+        every_indexer |= dict(scale_fmt=geo.scale_fmt, max_pool_len=geo.max_pool_len)
+        every_indexer["n_head"] = geo.index_heads or geo.heads
 
         def event(name: str):  # the stock event on CUDA, a ``Fake`` on the CPU
             return groups._create_event() if cuda else Fake(log, name)
@@ -531,15 +535,9 @@ class Model:
             mla_kv = torch.empty(shape, dtype=torch.uint8, device=dev)[:, : geo.block]
             mla_kv = mla_kv if bound else None
             mla = NS(impl=impl(group) if impl else made, kv_cache=mla_kv)
-            indexer = NS(
-                k_cache=NS(prefix=k_prefix, kv_cache=self.kv[layer]),
-                tail_cache=NS(prefix=tail_prefix, kv_cache=self.tail[layer]),
-                topk_indices_buffer=self.buffer,
-                topk_tokens=geo.topk,
-                scale_fmt=geo.scale_fmt,
-                max_pool_len=geo.max_pool_len,
-                n_head=geo.index_heads or geo.heads,
-            )
+            k_cache = NS(prefix=k_prefix, kv_cache=self.kv[layer])
+            tail_cache = NS(prefix=tail_prefix, kv_cache=self.tail[layer])
+            indexer = NS(k_cache=k_cache, tail_cache=tail_cache, **every_indexer)
             self.groups.append(group)
             self.attentions.append(NS(indexer=indexer, mla_attn=NS(mla_attn=mla)))
 
@@ -969,8 +967,7 @@ class Run:
 
     def run_side(self, side: Model, fwd, how: str) -> None:
         key, stage = (side.name, how, fwd.key), side is not self.sides[0]
-        modes = dict(eager="NONE", full="FULL", piecewise="PIECEWISE")
-        mode = CUDAGraphMode[modes[how]]
+        mode = CUDAGraphMode["NONE" if how == "eager" else how.upper()]
         if how == "full" and self.hosts.setdefault(key, fwd.host) != fwd.host:
             raise AssertionError(
                 f"FULL graph {key} captured with host values {self.hosts[key]}, "
