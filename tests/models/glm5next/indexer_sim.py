@@ -440,25 +440,21 @@ class Sim:
         self.builder = batches.Builder(geo, backend, self.device, deep_gemm)
         dev, n, t, page = self.device, geo.layers, geo.max_tokens, geo.page
         blocks = geo.num_blocks
+        randn = lambda *shape: torch.randn(shape, generator=g, device=dev)
         self.kv = []
         for _ in range(n):
             cache = torch.empty((blocks, page, D + 4), dtype=torch.uint8, device=dev)
             flat = cache.view(blocks, -1)
-            values = torch.randn((blocks, page * D), generator=g, device=dev) * 100
-            fp8 = values.clamp(-448, 448).to(torch.float8_e4m3fn)
-            flat[:, : page * D] = fp8.view(torch.uint8)
+            fp8 = (randn(blocks, page * D) * 100).clamp(-448, 448)
+            flat[:, : page * D] = fp8.to(torch.float8_e4m3fn).view(torch.uint8)
             e = torch.randint(-12, -4, (blocks, page), generator=g, device=dev)
-            flat[:, page * D :] = (
-                (e + 127).to(torch.uint8).repeat_interleave(4, 1)
-                if backend.mx
-                else torch.pow(2.0, e.float()).view(torch.uint8)
-            )
+            ue8m0 = (e + 127).to(torch.uint8).repeat_interleave(4, 1)
+            fp32 = torch.pow(2.0, e.float()).view(torch.uint8)
+            flat[:, page * D :] = ue8m0 if backend.mx else fp32
             self.kv.append(cache)
         tail = (geo.max_reqs + 1, 2, geo.ring, D)
-        self.tail = [
-            torch.randn(tail, generator=g, device=dev).bfloat16() for _ in range(n)
-        ]
-        self.ape = [torch.randn((POOL, D), generator=g, device=dev) for _ in range(n)]
+        self.tail = [randn(*tail).bfloat16() for _ in range(n)]
+        self.ape = [randn(POOL, D) for _ in range(n)]
         self.source = NS(
             q=torch.zeros((n, t, geo.heads, D), device=dev).to(torch.float8_e4m3fn),
             k=torch.zeros((n, t, geo.key_stride), dtype=torch.bfloat16, device=dev),
@@ -679,16 +675,12 @@ def build_stage(
     then (``warm``) its kernels' warmup keys compiled as vLLM's JIT warmup
     does, self-check off. ``select``, ``scores``: ``kpool_select``'s and
     ``kpool_scores``' values."""
+    geo = model.sim.geo
+    options = dict(mx_scales=model.sim.backend.mx, next_n=geo.spec + 1, scores=scores)
+    options |= dict(select=select is not False, select_one_wave=select == "one_wave")
+    rows = geo.capacity if max_rows is None else max_rows
     stage = stage_module.KpoolStage(
-        model.attentions,
-        model.sim.geo.capacity if max_rows is None else max_rows,
-        model.buffer.device,
-        mx_scales=model.sim.backend.mx,
-        select=select is not False,
-        select_one_wave=select == "one_wave",
-        scores=scores,
-        next_n=model.sim.geo.spec + 1,
-        self_check="off",
+        model.attentions, rows, model.buffer.device, self_check="off", **options
     )
     registry.add(stage, model.buffer)
     model.stage, model.kpool = stage, registry
@@ -929,10 +921,9 @@ class Run:
         if cuda:  # after the initial state's stream
             self.stream.wait_stream(torch.cuda.current_stream())
             stack.enter_context(torch.cuda.stream(self.stream))
+        opted = dict(select=self.cfg.select, scores=self.cfg.scores)
         for side in self.sides[1:]:
-            build_stage(
-                side, self.registry, select=self.cfg.select, scores=self.cfg.scores
-            )
+            build_stage(side, self.registry, **opted)
             if watch:
                 self.spies.watch(side.stage)
 
@@ -1013,10 +1004,8 @@ class Run:
         cfg, sim, s = self.cfg, self.sim, self.stats
         batch = sim.sched.schedule()
         how, rows, pad = self.how(batch)
-        split, full = cfg.work.tail_split, how == "full"
-        fwd = sim.builder.build(
-            batch, rows=rows, full=full, pad_reqs=pad, tail_split=split
-        )
+        options = dict(full=how == "full", pad_reqs=pad, tail_split=cfg.work.tail_split)
+        fwd = sim.builder.build(batch, rows=rows, **options)
         sim.fill(rows)
         sim.timeline.clear()
         for name, counted in (
