@@ -232,6 +232,13 @@ class Scheduler:
                 self.release(Batch([item], 0, 0))
 
 
+# The indexer's prefill/decode split (the MLA metadata has the first three),
+# and what the MLA metadata takes of the common metadata as it is.
+SPLIT = ("num_decodes", "num_decode_tokens", "num_prefills", "num_prefill_tokens")
+MLA_COMMON = ("num_reqs", "max_query_len", "max_seq_len", "num_actual_tokens")
+MLA_COMMON += ("query_start_loc", "slot_mapping")
+
+
 class Builder:
     """Per-step metadata for every DSA layer of ``geo``: the indexer's and
     the tail's from vLLM's builders given a ``CommonAttentionMetadata`` in
@@ -264,44 +271,28 @@ class Builder:
         self.out = NS(**ints, **longs, table=buf(t, blocks), schedule=buf(1))
         if not VLLM_BUILDERS:
             return
-        parallel = ("decode_context", "tensor", "prefill_context")
+        sizes = ("decode_context", "tensor", "prefill_context")
+        parallel = {f"{name}_parallel_size": 1 for name in sizes}
+        spec = dict(num_speculative_tokens=geo.spec)
+        adaptive = backend.nonuniform == "flat"
+        attention = dict(resolve_indexer_kv_dtype=lambda default: default)
         config = NS(
             scheduler_config=NS(max_num_batched_tokens=t, max_num_seqs=r),
-            parallel_config=NS(
-                **{f"{name}_parallel_size": 1 for name in parallel},
-                cp_kv_cache_interleave_size=1,
-            ),
-            speculative_config=NS(
-                num_speculative_tokens=geo.spec,
-                enable_adaptive_verification=backend.nonuniform == "flat",
-            ),
-            num_speculative_tokens=geo.spec,
+            parallel_config=NS(**parallel, cp_kv_cache_interleave_size=1),
+            speculative_config=NS(**spec, enable_adaptive_verification=adaptive),
             model_config=NS(max_model_len=geo.max_model_len),
             compilation_config=NS(cudagraph_mode=None),
-            attention_config=NS(
-                sparse_mla_prefill_workspace_factor=5,
-                resolve_indexer_kv_dtype=lambda default: default,
-            ),
+            attention_config=NS(sparse_mla_prefill_workspace_factor=5, **attention),
+            **spec,
         )
-        spec = MLAAttentionSpec(
-            block_size=geo.block,
-            num_kv_heads=1,
-            head_size=D + 4,
-            dtype=torch.uint8,
-            tokens_per_state=POOL,
-        )
-        tail = CircularBufferSpec(
-            block_size=geo.ring,
-            num_kv_heads=2,
-            head_size=D,
-            head_size_v=0,
-            dtype=torch.bfloat16,
-            dcp_sharded=False,
-        )
+        kv = dict(num_kv_heads=1, head_size=D + 4, dtype=torch.uint8)
+        kv = MLAAttentionSpec(block_size=geo.block, tokens_per_state=POOL, **kv)
+        tail = dict(num_kv_heads=2, head_size=D, head_size_v=0, dtype=torch.bfloat16)
+        tail = CircularBufferSpec(block_size=geo.ring, dcp_sharded=False, **tail)
         names = [list(n) for n in zip(*geo.prefixes, strict=True)]
         with self.platform():
             self.indexer = meta.DeepseekV32IndexerMetadataBuilder(
-                spec, names[0], config, self.device, block_table_width=blocks
+                kv, names[0], config, self.device, block_table_width=blocks
             )
             self.tail = meta.KpoolTailMetadataBuilder(
                 tail, names[1], config, self.device
@@ -337,11 +328,9 @@ class Builder:
     def built(self, common):
         """The indexer's and the tail's metadata by vLLM's builders (the
         tail's: its own group's block table, a block a request, and slots)."""
-        tail = replace(
-            common,
-            block_table_tensor=self.tail_table[: common.num_reqs],
-            slot_mapping=self.tail_slots[: common.num_actual_tokens],
-        )
+        reqs, tokens = common.num_reqs, common.num_actual_tokens
+        table, slots = self.tail_table[:reqs], self.tail_slots[:tokens]
+        tail = replace(common, block_table_tensor=table, slot_mapping=slots)
         with self.platform():
             return self.indexer.build(0, common), self.tail.build(0, tail)
 
@@ -357,35 +346,23 @@ class Builder:
         state = slots // geo.block * geo.page + slots % geo.block // POOL
         out.slots[:tokens] = torch.where(last, state, -1)
 
-        def split(d: int, **more):
-            return meta.DeepseekV32IndexerMetadata(
-                seq_lens=common.seq_lens,
-                max_seq_len=common.max_seq_len,
-                num_decodes=d,
-                num_decode_tokens=sum(q[:d]),
-                num_prefills=reqs - d,
-                num_prefill_tokens=sum(q[d:]),
-                **more,
-            )
+        def split(d: int, slot_mapping, **more):
+            more |= dict(num_decodes=d, num_decode_tokens=sum(q[:d]))
+            more |= dict(num_prefills=reqs - d, num_prefill_tokens=sum(q[d:]))
+            more |= dict(seq_lens=common.seq_lens, max_seq_len=common.max_seq_len)
+            return meta.DeepseekV32IndexerMetadata(slot_mapping=slot_mapping, **more)
 
+        tail_out = out.tail[:tokens]
+        args = (self.tail_table[:reqs], common.query_start_loc, pos, tokens, reqs)
         tail_slots = meta.compute_kpool_tail_slot_mapping(
-            torch.full_like(out.tail[:tokens], -1),
-            self.tail_table[:reqs],
-            common.query_start_loc,
-            pos,
-            tokens,
-            reqs,
-            geo.ring,
-            out=out.tail[:tokens],
+            torch.full_like(tail_out, -1), *args, geo.ring, out=tail_out
         )
         ones = next((i for i, x in enumerate(q) if x > 1), reqs)
-        tail = split(ones, positions=pos, slot_mapping=tail_slots)
+        tail = split(ones, tail_slots, positions=pos)
+        decode = self.laid_decode(q[:decodes], seq, bt) if decodes else None
+        prefill = self.laid_prefill(q, seq, decodes, bt) if decodes < reqs else None
         indexer = split(
-            decodes,
-            slot_mapping=out.slots[:tokens],
-            block_table=bt,
-            decode=self.laid_decode(q[:decodes], seq, bt) if decodes else None,
-            prefill=self.laid_prefill(q, seq, decodes, bt) if decodes < reqs else None,
+            decodes, out.slots[:tokens], block_table=bt, decode=decode, prefill=prefill
         )
         return indexer, tail
 
@@ -431,23 +408,14 @@ class Builder:
         if cu[-1]:
             tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)
             ints, seqs = tensor(cu), [i for i, p in enumerate(pools) for _ in range(p)]
-            chunks.append(
-                meta.DeepseekV32IndexerPrefillChunkMetadata(
-                    block_table=bt[decodes : len(seq)],
-                    cu_seqlen_ks=tensor(ks),
-                    cu_seqlen_ke=tensor(ke),
-                    cu_seq_lens=ints,
-                    token_to_seq=tensor(seqs),
-                    total_seq_lens=cu[-1],
-                    max_seqlen_k=max(pools),
-                    token_start=first,
-                    token_end=first + len(ks),
-                    num_reqs=len(pools),
-                    local_cu_seq_lens=ints,
-                    local_total_seq_lens=cu[-1],
-                    max_local_total_seq_lens=cu[-1],
-                )
-            )
+            chunk = dict(cu_seq_lens=ints, local_cu_seq_lens=ints, num_reqs=len(pools))
+            chunk |= dict(cu_seqlen_ks=tensor(ks), cu_seqlen_ke=tensor(ke))
+            chunk |= dict(token_to_seq=tensor(seqs), max_seqlen_k=max(pools))
+            chunk |= dict(token_start=first, token_end=first + len(ks))
+            totals = "total_seq_lens local_total_seq_lens max_local_total_seq_lens"
+            chunk |= dict.fromkeys(totals.split(), cu[-1])  # one chunk
+            chunk["block_table"] = bt[decodes : len(seq)]
+            chunks.append(meta.DeepseekV32IndexerPrefillChunkMetadata(**chunk))
         return meta.DeepseekV32IndexerPrefillMetadata(
             chunks, max_prefill_seq_len=max(seq[decodes:])
         )
@@ -504,41 +472,27 @@ class Builder:
         )
         self.put(self.tail_table, tails)
         indexer, tail = (self.built if VLLM_BUILDERS else self.laid)(common)
+        split = {name: getattr(indexer, name) for name in SPLIT}
         if tail_split == "indexer":
-            split = "num_decodes num_decode_tokens num_prefills num_prefill_tokens"
-            tail = replace(tail, **{k: getattr(indexer, k) for k in split.split()})
+            tail = replace(tail, **split)
         decodes, layout, d = indexer.num_decodes, "none", indexer.decode
         if d is not None:
             layout = "varlen" if d.indices is not None else "padded"
             if d.indices is None and not d.requires_padding:
                 layout = "native" if d.seq_lens.shape[0] == decodes else "flat"
         self.put(self.req_ids, req_ids)
+        # The sparse MLA metadata: the common fields and the indexer's split.
+        mla = {name: getattr(common, name) for name in MLA_COMMON}
+        mla |= {name: split[name] for name in SPLIT[:3]}
+        mla |= dict(block_size=geo.block, topk_tokens=geo.topk)
         mla = SparseMLACommonMetadata(
-            num_reqs=reqs,
-            max_query_len=max(q_lens),
-            max_seq_len=max_seq,
-            num_actual_tokens=tokens,
-            query_start_loc=common.query_start_loc,
-            slot_mapping=common.slot_mapping,
-            num_decodes=decodes,
-            num_decode_tokens=indexer.num_decode_tokens,
-            num_prefills=indexer.num_prefills,
-            block_table=common.block_table_tensor,
-            req_id_per_token=self.req_ids,
-            block_size=geo.block,
-            topk_tokens=geo.topk,
+            **mla, block_table=common.block_table_tensor, req_id_per_token=self.req_ids
         )
         metadata = {}
         for names in geo.prefixes:
             metadata.update(zip(names, (indexer, tail, mla), strict=True))
         host = (rows, tokens, tuple(q_lens), decodes, max_seq, tail.num_decodes, layout)
-        return NS(
-            metadata=metadata,
-            positions=self.positions[:rows],
-            rows=rows,
-            host=host,
-            tokens=tokens,
-            layout=layout,
-            key=(reqs, q_pad, layout) if full else (rows,),
-            kind=kind_of(decodes, reqs),
-        )
+        fwd = NS(metadata=metadata, rows=rows, host=host, tokens=tokens, layout=layout)
+        fwd.positions, fwd.kind = self.positions[:rows], kind_of(decodes, reqs)
+        fwd.key = (reqs, q_pad, layout) if full else (rows,)
+        return fwd

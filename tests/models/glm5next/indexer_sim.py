@@ -440,25 +440,21 @@ class Sim:
         self.builder = batches.Builder(geo, backend, self.device, deep_gemm)
         dev, n, t, page = self.device, geo.layers, geo.max_tokens, geo.page
         blocks = geo.num_blocks
+        randn = lambda *shape: torch.randn(shape, generator=g, device=dev)
         self.kv = []
         for _ in range(n):
             cache = torch.empty((blocks, page, D + 4), dtype=torch.uint8, device=dev)
             flat = cache.view(blocks, -1)
-            values = torch.randn((blocks, page * D), generator=g, device=dev) * 100
-            fp8 = values.clamp(-448, 448).to(torch.float8_e4m3fn)
-            flat[:, : page * D] = fp8.view(torch.uint8)
+            fp8 = (randn(blocks, page * D) * 100).clamp(-448, 448)
+            flat[:, : page * D] = fp8.to(torch.float8_e4m3fn).view(torch.uint8)
             e = torch.randint(-12, -4, (blocks, page), generator=g, device=dev)
-            flat[:, page * D :] = (
-                (e + 127).to(torch.uint8).repeat_interleave(4, 1)
-                if backend.mx
-                else torch.pow(2.0, e.float()).view(torch.uint8)
-            )
+            ue8m0 = (e + 127).to(torch.uint8).repeat_interleave(4, 1)
+            fp32 = torch.pow(2.0, e.float()).view(torch.uint8)
+            flat[:, page * D :] = ue8m0 if backend.mx else fp32
             self.kv.append(cache)
         tail = (geo.max_reqs + 1, 2, geo.ring, D)
-        self.tail = [
-            torch.randn(tail, generator=g, device=dev).bfloat16() for _ in range(n)
-        ]
-        self.ape = [torch.randn((POOL, D), generator=g, device=dev) for _ in range(n)]
+        self.tail = [randn(*tail).bfloat16() for _ in range(n)]
+        self.ape = [randn(POOL, D) for _ in range(n)]
         self.source = NS(
             q=torch.zeros((n, t, geo.heads, D), device=dev).to(torch.float8_e4m3fn),
             k=torch.zeros((n, t, geo.key_stride), dtype=torch.bfloat16, device=dev),
@@ -501,6 +497,10 @@ class Model:
         self.forwards = torch.zeros(1, dtype=torch.int64, device=dev)
         rows = (geo.capacity if capacity is None else capacity) + 1
         snap = dict(logical=(t, w), physical=(t, w), counts=(t,), flags=(2,))
+        # What the stage reads of each layer's indexer besides its caches.
+        every_indexer = dict(topk_indices_buffer=self.buffer, topk_tokens=geo.topk)
+        every_indexer |= dict(scale_fmt=geo.scale_fmt, max_pool_len=geo.max_pool_len)
+        every_indexer["n_head"] = geo.index_heads or geo.heads
 
         def event(name: str):  # the stock event on CUDA, a ``Fake`` on the CPU
             return groups._create_event() if cuda else Fake(log, name)
@@ -531,15 +531,9 @@ class Model:
             mla_kv = torch.empty(shape, dtype=torch.uint8, device=dev)[:, : geo.block]
             mla_kv = mla_kv if bound else None
             mla = NS(impl=impl(group) if impl else made, kv_cache=mla_kv)
-            indexer = NS(
-                k_cache=NS(prefix=k_prefix, kv_cache=self.kv[layer]),
-                tail_cache=NS(prefix=tail_prefix, kv_cache=self.tail[layer]),
-                topk_indices_buffer=self.buffer,
-                topk_tokens=geo.topk,
-                scale_fmt=geo.scale_fmt,
-                max_pool_len=geo.max_pool_len,
-                n_head=geo.index_heads or geo.heads,
-            )
+            k_cache = NS(prefix=k_prefix, kv_cache=self.kv[layer])
+            tail_cache = NS(prefix=tail_prefix, kv_cache=self.tail[layer])
+            indexer = NS(k_cache=k_cache, tail_cache=tail_cache, **every_indexer)
             self.groups.append(group)
             self.attentions.append(NS(indexer=indexer, mla_attn=NS(mla_attn=mla)))
 
@@ -681,16 +675,12 @@ def build_stage(
     then (``warm``) its kernels' warmup keys compiled as vLLM's JIT warmup
     does, self-check off. ``select``, ``scores``: ``kpool_select``'s and
     ``kpool_scores``' values."""
+    geo = model.sim.geo
+    options = dict(mx_scales=model.sim.backend.mx, next_n=geo.spec + 1, scores=scores)
+    options |= dict(select=select is not False, select_one_wave=select == "one_wave")
+    rows = geo.capacity if max_rows is None else max_rows
     stage = stage_module.KpoolStage(
-        model.attentions,
-        model.sim.geo.capacity if max_rows is None else max_rows,
-        model.buffer.device,
-        mx_scales=model.sim.backend.mx,
-        select=select is not False,
-        select_one_wave=select == "one_wave",
-        scores=scores,
-        next_n=model.sim.geo.spec + 1,
-        self_check="off",
+        model.attentions, rows, model.buffer.device, self_check="off", **options
     )
     registry.add(stage, model.buffer)
     model.stage, model.kpool = stage, registry
@@ -931,10 +921,9 @@ class Run:
         if cuda:  # after the initial state's stream
             self.stream.wait_stream(torch.cuda.current_stream())
             stack.enter_context(torch.cuda.stream(self.stream))
+        opted = dict(select=self.cfg.select, scores=self.cfg.scores)
         for side in self.sides[1:]:
-            build_stage(
-                side, self.registry, select=self.cfg.select, scores=self.cfg.scores
-            )
+            build_stage(side, self.registry, **opted)
             if watch:
                 self.spies.watch(side.stage)
 
@@ -969,8 +958,7 @@ class Run:
 
     def run_side(self, side: Model, fwd, how: str) -> None:
         key, stage = (side.name, how, fwd.key), side is not self.sides[0]
-        modes = dict(eager="NONE", full="FULL", piecewise="PIECEWISE")
-        mode = CUDAGraphMode[modes[how]]
+        mode = CUDAGraphMode["NONE" if how == "eager" else how.upper()]
         if how == "full" and self.hosts.setdefault(key, fwd.host) != fwd.host:
             raise AssertionError(
                 f"FULL graph {key} captured with host values {self.hosts[key]}, "
@@ -1016,10 +1004,8 @@ class Run:
         cfg, sim, s = self.cfg, self.sim, self.stats
         batch = sim.sched.schedule()
         how, rows, pad = self.how(batch)
-        split, full = cfg.work.tail_split, how == "full"
-        fwd = sim.builder.build(
-            batch, rows=rows, full=full, pad_reqs=pad, tail_split=split
-        )
+        options = dict(full=how == "full", pad_reqs=pad, tail_split=cfg.work.tail_split)
+        fwd = sim.builder.build(batch, rows=rows, **options)
         sim.fill(rows)
         sim.timeline.clear()
         for name, counted in (
