@@ -171,11 +171,11 @@ def test_what_the_opt_ins_call_past_one_wave_is_past_it(setting, key):
     """Issue 57's case first: 32 requests of 128K pools at next_n 1 are
     within one wave on the H200, so no label past one wave may hold them."""
     data = load(SCORES)
-    plan, sms = data["meta"]["plan"], rf.SMS[data["meta"]["gpu"]]
-    assert rf.one_wave(32, 131072, sms=sms)
+    plan, sms = data["meta"]["plan"], rf.sms_of(data)
+    assert rf.one_wave(32, 131072, FP32, sms)
 
     def past(r):
-        return not rf.one_wave(r["rows"] * r["next_n"], r["context"], sms=sms)
+        return not rf.step_one_wave(r, sms)
 
     found = PAST.findall(rf.flat(block_text("opt_in")))
     assert len(found) == 2, found
@@ -215,7 +215,7 @@ def test_the_old_past_one_wave_label_is_reported(copy):
 
 
 def fp32_within(data: dict) -> list[dict]:
-    sms = rf.SMS[data["meta"]["gpu"]]
+    sms = rf.sms_of(data)
     return [
         r
         for r in data["select"]
@@ -262,7 +262,7 @@ def check_select(text: str, data: dict) -> None:
             assert size and all(rf.ratio(r["select_graph_us"]) > 1 for r in size), size
     bf16 = rf.flat(text).split("BF16 logits (with stock's upcast) it is")[1]
     if bf16.startswith(" faster at every size"):
-        sms = rf.SMS[data["meta"]["gpu"]]
+        sms = rf.sms_of(data)
         assert all(
             rf.ratio(r["select_graph_us"]) > 1
             for r in data["select"]
@@ -309,6 +309,13 @@ def test_the_select_labels_follow_the_data(copy, rows, width, factor, named):
     assert (size in slower) == (named is not None)
     (problem,) = rf.problems(copy / "README.md", copy)
     assert problem.startswith("README.md: figure block 'select' differs")
+
+
+def test_an_h100_s_select_is_on_its_132_sms(copy):
+    h100 = "NVIDIA H100 80GB HBM3"
+    rewrite(copy, SELECT, lambda data: data["meta"].update(gpu=h100))
+    text = rf.flat(rf.render("select", SELECT, copy))
+    assert "one H100 80GB HBM3;" in text and "on the H100 80GB HBM3's 132 SMs" in text
 
 
 def test_a_card_without_an_sm_count_is_reported(copy):
