@@ -81,17 +81,19 @@ STEP_SOURCE = "https://github.com/aarora79/agentic-coding-harness-benchmarks/pul
 STEP_MS = {1: 10.3, 8: 13.0, 16: 13.3}
 # The batches and the contexts (pools, tokens / 4) the README's table gives.
 GAIN_REQUESTS = (1, 8, 64)
-# The select JSON's commit: its meta names only the commit before ("this
-# commit's select, then 31e6ca5's (the previous commit's)"); the JSON came
-# in with 6eb5142, 31e6ca5's child (the test checks it where git can).
-SELECT_COMMIT = "6eb5142"
-SELECT_BEFORE = "31e6ca5"
 
 BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {}
 # The page each block is in (README.md or docs/NAME.md).
 PAGE_OF: dict[str, str] = {}
 # (page, sources, fn(*data) -> the phrases the page must hold).
 CLAIMS: list[tuple[str, tuple[str, ...], Callable[..., list[str]]]] = []
+
+
+def k_of(data: dict) -> int:
+    """The top-k's k in pools: the JSON's meta's, else tools/bench.py's."""
+    from tools.bench import K_POOLS
+
+    return data["meta"].get("k", K_POOLS)
 
 
 def block(name: str, source: str, page: str = "README.md"):
@@ -215,8 +217,8 @@ def tail_block(data: dict) -> str:
         f"({link('docs/bench-h200.json')}), "
         "graph-replayed, stock and the stage in one run: one DSA layer's decode "
         "tail (the update, the upcast where the path has one, the expansion and "
-        f"conversion after a 512-pool top-k; contexts of {TAIL_CONTEXTS}) on "
-        "FlashInfer SM90, Hopper's default:"
+        f"conversion after a {k_of(data)}-pool top-k; contexts of {TAIL_CONTEXTS}) "
+        "on FlashInfer SM90, Hopper's default:"
     )
     rows = []
     for r in sm90:
@@ -543,8 +545,6 @@ def select_block(data: dict) -> str:
     inside = staged(data)
     fp32, bf16 = where(inside, path=FP32), where(inside, path=BF16)
     past = [r for r in data["select"] if r not in inside and r["logits"] == "randn"]
-    assert SELECT_BEFORE in m["measured"], m["measured"]
-    assert m["commit"] == SELECT_COMMIT, m["commit"]
 
     def chain(rows):
         values = [ratio(r["chain_graph_us"]) for r in rows]
@@ -552,13 +552,12 @@ def select_block(data: dict) -> str:
 
     def beyond(name):
         rows = where(past, path=name)
-        slow = [r for r in rows if r2(r) < 1]
-        sizes = f"{len(slow)} of its {len(rows)} sizes"
+        sizes = f"{sum(r2(r) < 1 for r in rows)} of its {len(rows)} sizes"
         return f"{ratio_span(rows)}x (slower than stock at {sizes})"
 
     return (
-        "The select alone against stock's top-k (k "
-        f"{m['k']}; {link('docs/bench-select-h200.json')}, `tools/bench.py`, commit "
+        f"The select alone against stock's top-k (k {k_of(data)}; "
+        f"{link('docs/bench-select-h200.json')}, `tools/bench.py`, commit "
         f"{m['commit']}, {m['date']}, one {gpu}; rows are requests x next_n, "
         "a pool is 4 tokens). `kpool_select: true` runs it at every decode batch "
         'size, `"one_wave"` only within one wave of its clusters (on the '
@@ -736,11 +735,10 @@ def select_table_block(data: dict) -> str:
     for logits, size, key in SELECT_TABLE:
         select_label_is_its_row(logits, size, key)
         r = select_row(data, *key)
-        stock, now = r["select_graph_us"]
-        cells = [f"{us:.2f}" for us in (stock, r["select_graph_us_before"][1], now)]
+        cells = [f"{us:.2f}" for us in r["select_graph_us"]]
         cells += [f"{ratio(r[k]):.2f}" for k in SELECT_KEYS]
         rows.append([logits, size, *cells])
-    head = "logits | rows x pools, row ends | stock | 31e6ca5 | now | select x"
+    head = "logits | rows x pools, row ends | stock | select | select x"
     return table(f"{head} | chain x | eager chain x", rows, left=2)
 
 
@@ -796,17 +794,12 @@ def select_claims(data: dict) -> list[str]:
     sizes = [r for r in big if ends_of(r) != "short" and r["logits"] not in BELOW_K]
     slower = [r for r in sizes if ratio(r["select_graph_us"]) < 1]
 
-    def faster(rows):
-        return {ratio(r["select_graph_us"]) > 1 for r in rows}
-
+    faster = lambda rows: {ratio(r["select_graph_us"]) > 1 for r in rows}
     assert faster(bf16) == {True}, "BF16: the select slower than stock somewhere"
     assert faster(from_4) == {False}, "16K pools from 4 rows: not all slower"
     assert faster(r for r in sizes if r in randn) == {False}, "64 x 64K, 8 x 256K"
     relu = {r["logits"] for r in slower} - {"randn"}
     assert relu == {"relu 1%", "relu 50%"}, f"slower on ReLU logits: {relu}"
-    small64 = select_row(data, FP32, 64, 16384)
-    one, eight = select_row(data, FP32, 1, 65536), select_row(data, FP32, 8, 65536)
-    before = [ratio(r["select_graph_us_before"]) for r in short]
     # Rounded down, so that "x or more" holds.
     chain = math.floor(min(ratio(r["chain_graph_us"]) for r in fp32 + bf16) * 100)
     return [
@@ -821,17 +814,6 @@ def select_claims(data: dict) -> list[str]:
             "also on ReLU logits with 1-50 % positive)"
         ),
         f"The chain stays {chain / 100:.2f}x or more everywhere the stage runs it",
-        (
-            f"FP32 short ends {span(before)}x stock before, {ratio_span(short)}x "
-            f"now; 64 x 16K {small64['select_graph_us_before'][1]:.2f} to "
-            f"{small64['select_graph_us'][1]:.2f} µs"
-        ),
-        (
-            f"timed 31e6ca5's select at {one['select_graph_us_before'][1]:.2f} µs at "
-            f"1 x 64K and {eight['select_graph_us_before'][1]:.2f} at 8 x 64K, and "
-            f"this commit's at {one['select_graph_us'][1]:.2f} and "
-            f"{eight['select_graph_us'][1]:.2f}"
-        ),
     ]
 
 
