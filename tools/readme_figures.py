@@ -226,11 +226,8 @@ def tail_block(data: dict) -> str:
         cells = [f"{x:.1f}" for x in (stock, stage, stock - stage)]
         rows.append([str(r["rows"]), *cells, f"{ratio(r['graph_us']):.2f}"])
 
-    def saving(path):
-        return span((saved(r, "graph_us") for r in where(tails, path=path)), ".1f")
-
-    def topk(rows):
-        return select_row(data, FP32, rows, 65536)["select_graph_us"][0]
+    saving = lambda p: span((saved(r, "graph_us") for r in where(tails, path=p)), ".1f")
+    topk = lambda rows: select_row(data, FP32, rows, 65536)["select_graph_us"][0]
 
     def share(rows):
         (stock, stage), *_ = [r["graph_us"] for r in sm90 if r["rows"] == rows]
@@ -365,12 +362,9 @@ def gain_block(data: dict) -> str:
         "concurrent requests: "
         f"{join([f'{STEP_MS[n]:.1f}' for n in cited])} ms (<{STEP_SOURCE}>). No "
         "public GLM-5-Next figure on H200 or H100 was found"
-        + (
-            f", nor one of {n_big} requests: the {STEP_MS[top]:.1f} ms of {top} is "
-            "a floor there, so the share is a ceiling"
-            if n_big
-            else ""
-        )
+        + f", nor one of {n_big} requests: the {STEP_MS[top]:.1f} ms of {top} is "
+        "a floor there, so the share is a ceiling"
+        * bool(n_big)
         + ". GLM-5-Next, the smaller model, likely steps faster, which would raise "
         "the share; the source gives no prompt lengths, and at long contexts a "
         "step takes longer (stock's indexer alone takes "
@@ -825,8 +819,7 @@ def step_row(data: dict, rows: int, next_n: int, pools: int) -> dict:
 # The step table's sizes: requests, next_n, pools.
 STEP_TABLE = [
     *((n, 1, width) for width in (4096, 65536) for n in (1, 8, 64)),
-    (1, 1, 262144),
-    (64, 1, 262144),
+    *((n, 1, 262144) for n in (1, 64)),
     (1, 2, 65536),
     (64, 2, 262144),
 ]
