@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The figures of README.md and docs/*.md, recomputed from the committed JSON
-they cite.
+they cite: the benchmark's from one, ``BENCH`` (a run of tools/bench.py).
 
 A figure block is the text between ``<!-- figures: NAME from docs/X.json -->``
 and ``<!-- /figures -->`` (a table, or a paragraph with its figures);
@@ -15,10 +15,10 @@ label changed without its figure, is reported. ``python
 tools/readme_figures.py`` prints each block that differs and each claim not
 found, with the text it should have, and exits 1 (CI checks the same
 through ``tests/tools/test_readme_figures.py``); ``--write`` rewrites the
-blocks (claims are prose: edit them by hand). A new block is a function
-here, registered with ``@block(NAME, "docs/X.json", page)``, and its
-markers in the page; a new claim a function registered with
-``@claims(page, "docs/X.json")`` returning its phrases.
+blocks and their markers (claims are prose: edit them by hand; after a
+rerun: docs/gpu-tier.md). A new block is a function registered with
+``@block(NAME, "docs/X.json", page)`` and its markers in the page; a new
+claim a function registered with ``@claims(page, "docs/X.json")``.
 
 The blocks of the select's rule need the patched vLLM (its one-wave rule
 decides where the stage runs the select): the overlay of the installed
@@ -64,6 +64,10 @@ FP32, BF16 = "sm90-flashinfer", "sm100-flashinfer"
 # test checks them): `pip install vllm==0.33.0` brings these, the GPU runs
 # used the versions their JSON's meta gives.
 PINS = {"torch": "2.14.0", "triton": "3.8.0"}
+# tools/bench.py's JSON (meta; kernels, select, scores): every bench figure's.
+BENCH = "docs/bench-h200.json"
+# Until BENCH's run has them: parts from later partial runs (a test checks).
+SPLIT = {part: f"docs/bench-{part}-h200.json" for part in ("select", "scores")}
 # The decode tail's contexts in tools/bench.py (topk_inputs: positions in
 # [2**18 / 16, 2**18) tokens).
 TAIL_CONTEXTS = "16K-256K tokens"
@@ -87,6 +91,11 @@ BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {}
 PAGE_OF: dict[str, str] = {}
 # (page, sources, fn(*data) -> the phrases the page must hold).
 CLAIMS: list[tuple[str, tuple[str, ...], Callable[..., list[str]]]] = []
+
+
+def bench(part: str) -> str:
+    """The JSON of ``part`` of the bench (kernels, select, scores)."""
+    return SPLIT.get(part, BENCH)
 
 
 def k_of(data: dict) -> int:
@@ -205,7 +214,7 @@ def runs_of(values: list, measured: list) -> str:
     return join([f"{r[0]}" + (f"-{r[-1]}" if len(r) > 1 else "") for r in runs])
 
 
-@block("tail", "docs/bench-h200.json")
+@block("tail", BENCH)
 def tail_block(data: dict) -> str:
     """The decode tail by decode rows on FlashInfer SM90, then the other paths,
     the eager figures and the share of the tail and top-k the stage removes."""
@@ -214,7 +223,7 @@ def tail_block(data: dict) -> str:
     intro = (
         f"`tools/bench.py` on one {card(data)} (torch {m['torch']}, triton "
         f"{m['triton']}, CuTe DSL 4.8.0), commit {m['commit']}, {m['date']} "
-        f"({link('docs/bench-h200.json')}), "
+        f"({link(BENCH)}), "
         "graph-replayed, stock and the stage in one run: one DSA layer's decode "
         "tail (the update, the upcast where the path has one, the expansion and "
         f"conversion after a {k_of(data)}-pool top-k; contexts of {TAIL_CONTEXTS}) "
@@ -310,7 +319,7 @@ def step_sizes(rows: list[dict], data: dict) -> str:
     return " ".join(parts)
 
 
-@block("gain", "docs/bench-scores-h200.json")
+@block("gain", bench("scores"))
 def gain_block(data: dict) -> str:
     """What a decode step saves, per output token and as a share of a cited
     decode step, with the figures' limits."""
@@ -343,7 +352,7 @@ def gain_block(data: dict) -> str:
         "DeepGEMM's scores and stock's top-k on both sides, FlashInfer SM90, "
         f"Hopper's default, CUDA graphs) took {stock} µs stock and "
         f"{span((saved(r) for r in every), '.1f')} µs less with the stage on one {gpu} "
-        f"({link('docs/bench-scores-h200.json')}, `tools/bench.py`). GLM-5-Next has "
+        f"({link(bench('scores'))}, `tools/bench.py`). GLM-5-Next has "
         f"{DSA_LAYERS} such layers ({layers} of its {LAYERS}; the other "
         f"{LAYERS - DSA_LAYERS} are KDA linear attention), so a decode step is "
         f"{DSA_LAYERS} x that shorter, for every request in it. Each cell: that "
@@ -396,12 +405,13 @@ def gain_block(data: dict) -> str:
         "(its saving is below). The SM100 path's figures below were measured on "
         f"the {gpu}: no SM100 GPU (B200) ran."
     )
-    limits = ["Beside these figures:", "", versions, since, contexts, paths]
+    split = [since] if SPLIT else []  # tables of several runs
+    limits = ["Beside these figures:", "", versions, *split, contexts, paths]
     gains = table(f"requests (step time) | {head}", rows)
     return "\n".join([intro, "", gains, "", source, "", *limits])
 
 
-@block("opt_in", "docs/bench-scores-h200.json")
+@block("opt_in", bench("scores"))
 def opt_in_block(data: dict) -> str:
     """The step with the opt-ins, within and past one wave of the select's
     clusters: where each saves and where it is slower than stock."""
@@ -432,7 +442,7 @@ def opt_in_block(data: dict) -> str:
         return text
 
     return (
-        f"The opt-ins in the same run ({link('docs/bench-scores-h200.json')}), on "
+        f"The opt-ins in the same run ({link(bench('scores'))}), on "
         "the same step (next_n 1 and 2): "
         "`kpool_select: true`, the select at every batch size, "
         f"{verdict('step_select_graph_us')}. "
@@ -531,7 +541,7 @@ def within_wave(rows: list[dict], name: str) -> str:
     )
 
 
-@block("select", "docs/bench-select-h200.json")
+@block("select", bench("select"))
 def select_block(data: dict) -> str:
     """The select alone against stock's top-k: within one wave, where it is
     faster and slower, its chain, and past one wave."""
@@ -550,8 +560,8 @@ def select_block(data: dict) -> str:
         return f"{ratio_span(rows)}x (slower than stock at {sizes})"
 
     return (
-        f"The select alone against stock's top-k (k {k_of(data)}; "
-        f"{link('docs/bench-select-h200.json')}, `tools/bench.py`, commit "
+        "The select alone against stock's top-k (k "
+        f"{k_of(data)}; {link(bench('select'))}, `tools/bench.py`, commit "
         f"{m['commit']}, {m['date']}, one {gpu}; rows are requests x next_n, "
         "a pool is 4 tokens). `kpool_select: true` runs it at every decode batch "
         'size, `"one_wave"` only within one wave of its clusters (on the '
@@ -612,7 +622,7 @@ def kernel_table(kernels: list[dict], label, cell, head: str, first: str = "") -
     return table(" | ".join([head, first + str(rows[0]), *map(str, rows[1:])]), lines)
 
 
-@block("kernels", "docs/bench-h200.json", PERFORMANCE)
+@block("kernels", BENCH, PERFORMANCE)
 def kernels_block(data: dict) -> str:
     """Each kernel's ratio by decode rows, graph-replayed and eager."""
     kernels = [r for r in data["kernels"] if r["case"] != "upcast"]
@@ -624,7 +634,7 @@ def kernels_block(data: dict) -> str:
     return "\n\n".join([ratios("graph"), ratios("eager")])
 
 
-@block("upcast", "docs/bench-h200.json", PERFORMANCE)
+@block("upcast", BENCH, PERFORMANCE)
 def upcast_block(data: dict) -> str:
     """The upcast's ratio by rows, row ends and pools; ours' share of the copy."""
     upcasts = where(data["kernels"], case="upcast")
@@ -634,18 +644,20 @@ def upcast_block(data: dict) -> str:
     return kernel_table(upcasts, label, cell, head, "rows ")
 
 
-@claims(PERFORMANCE, "docs/bench-h200.json")
+@claims(PERFORMANCE, BENCH)
 def kernel_claims(data: dict) -> list[str]:
     kernels = data["kernels"]
     n, selects = len(kernels), len(data["select"])
     spread = max(max(r["graph_spread"]) for r in kernels)
     noisy = sum(max(r["eager_spread"]) > 0.10 for r in kernels)
-    copy = data["meta"]["copy"]
+    m, copy = data["meta"], data["meta"]["copy"]
     sm100 = where(kernels, case="tail", path=BF16)
     full = where(kernels, case="upcast", ends="full")
     wide = [r for r in full if (r["rows"], r["width"]) in ((256, 65536), (64, 262144))]
     return [
-        f"{link('bench-h200.json')} ({n} kernel rows, {selects} select rows)",
+        f"Stock against the stage on one {m['gpu']}, as ratios",
+        f"on the code of commit {m['commit']}, {m['date'][:10]}",
+        f"{link(Path(BENCH).name)} ({n} kernel rows, {selects} select rows)",
         f"(under {5 * math.ceil(20 * spread)} % in every graph row of this run)",
         f"{noisy} of the {n} kernel rows have a spread above 10 % on one side",
         (
@@ -722,7 +734,7 @@ def select_label_is_its_row(logits: str, size: str, key: tuple) -> None:
     ), f"the row labelled {logits!r}, {size!r} is {key}"
 
 
-@block("select_table", "docs/bench-select-h200.json", PERFORMANCE)
+@block("select_table", bench("select"), PERFORMANCE)
 def select_table_block(data: dict) -> str:
     """A selection of the select's rows: µs of the select alone, then ratios."""
     rows = []
@@ -764,7 +776,7 @@ def ends_of(row: dict) -> str:
     return row["context"].split(",")[0]
 
 
-@block("one_wave_table", "docs/bench-select-h200.json", PERFORMANCE)
+@block("one_wave_table", bench("select"), PERFORMANCE)
 def one_wave_table_block(data: dict) -> str:
     """The select's ranges over the sizes where the stage runs it."""
     lines = []
@@ -776,7 +788,7 @@ def one_wave_table_block(data: dict) -> str:
     return table(head, lines, left=2)
 
 
-@claims(PERFORMANCE, "docs/bench-select-h200.json")
+@claims(PERFORMANCE, bench("select"))
 def select_claims(data: dict) -> list[str]:
     fp32, bf16 = staged(data, FP32), staged(data, BF16)
     randn = where(fp32, logits="randn")
@@ -796,8 +808,9 @@ def select_claims(data: dict) -> list[str]:
     assert relu == {"relu 1%", "relu 50%"}, f"slower on ReLU logits: {relu}"
     # Rounded down, so that "x or more" holds.
     chain = math.floor(min(ratio(r["chain_graph_us"]) for r in fp32 + bf16) * 100)
+    date, name = data["meta"]["date"][:16], Path(bench("select")).name
     return [
-        f"All {len(data['select'])} rows of one run ({data['meta']['date'][:16]})",
+        f"All {len(data['select'])} rows of one run ({date}) are in {link(name)}",
         f"On FP32 it is at short row ends ({ratio_span(short)}x:",
         (
             f"at 16K pools from 4 rows ({ratio_span(from_4)}x; "
@@ -825,7 +838,7 @@ STEP_TABLE = [
 ]
 
 
-@block("step_table", "docs/bench-scores-h200.json", PERFORMANCE)
+@block("step_table", bench("scores"), PERFORMANCE)
 def step_table_block(data: dict) -> str:
     """The indexer decode after the query with DeepGEMM's scores on both sides."""
     lines = []
@@ -839,7 +852,7 @@ def step_table_block(data: dict) -> str:
     return table(f"{head} | stock/stage | stock/select | eager stock/stage", lines)
 
 
-@block("chain_table", "docs/bench-scores-h200.json", PERFORMANCE)
+@block("chain_table", bench("scores"), PERFORMANCE)
 def chain_table_block(data: dict) -> str:
     """Every step size: stock, the select, our scores too, each scores alone."""
     lines = []
@@ -854,7 +867,7 @@ def chain_table_block(data: dict) -> str:
     return table(f"{head} | eager stock/ours | DeepGEMM alone | ours alone", lines)
 
 
-@claims(PERFORMANCE, "docs/bench-scores-h200.json")
+@claims(PERFORMANCE, bench("scores"))
 def scores_claims(data: dict) -> list[str]:
     rows = data["scores"]
     pair, select = "step_scores_graph_us", "step_select_graph_us"
@@ -1224,9 +1237,10 @@ def write(path: Path | None = None, root: Path = REPO) -> None:
             write(page, root)
         return
 
-    def new(m):
-        text = render(m[1], m[2], root)
-        return f"<!-- figures: {m[1]} from {m[2]} -->\n{text}\n<!-- /figures -->"
+    def new(m):  # the marker names the block's JSON as BLOCKS has it
+        name, source = m[1], BLOCKS.get(m[1], (m[2],))[0]
+        text = render(name, source, root)
+        return f"<!-- figures: {name} from {source} -->\n{text}\n<!-- /figures -->"
 
     text = path.read_text()
     if BLOCK.search(text):

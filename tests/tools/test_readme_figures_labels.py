@@ -7,9 +7,9 @@ opt-ins' text calls past one wave is past one wave of the select's clusters
 (the patched vLLM's rule on the JSON's card) and every such size is named; a
 size slower than stock within one wave is reported; every row where the
 select alone is slower than stock within one wave is named as slower, and
-every size named as faster is faster. Pins and commits the text quotes are
-checked where they can be; the select's labels of the run issue 57 read
-too."""
+every size named as faster is faster, in the README and in the run issue
+57 read; the text names the card of its JSON, whatever it is. Pins and
+commits the text quotes are checked where they can be."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ import pytest
 from tools import readme_figures as rf
 
 REPO = rf.REPO
-SCORES = "docs/bench-scores-h200.json"
-SELECT = "docs/bench-select-h200.json"
+SCORES, SELECT = rf.bench("scores"), rf.bench("select")
 FP32 = "sm90-flashinfer"
 # The select's run issue 57 read its labels from (6eb5142, 2026-12-03).
 ISSUE_57 = "docs/bench-select-h200.json"
@@ -81,6 +80,22 @@ def test_a_block_names_the_card_and_commit_of_its_json(name):
     text = rf.flat(block_text(name))
     assert f"one {meta['gpu'].removeprefix('NVIDIA ')}" in text
     assert f"commit {rf.flat(meta['commit'])}, {meta['date']}" in text
+
+
+def test_the_text_names_the_card_its_json_gives(copy):
+    """The bench's figures measured on an H100 say so: no H200 in their text
+    but the cited step times'."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    for source in {rf.BENCH, *rf.SPLIT.values()}:
+        rewrite(copy, source, lambda data: data["meta"].update(gpu=h100))
+    cited = ("8 x H200 node", "on H200 or H100 was found")
+    for name, (source, _) in rf.BLOCKS.items():
+        if source in {rf.BENCH, *rf.SPLIT.values()}:
+            text = rf.flat(rf.render(name, source, copy))
+            assert "H200" not in re.sub("|".join(cited), "", text), name
+    assert "on the H100 80GB HBM3's 132 SMs" in rf.flat(
+        rf.render("select", SELECT, copy)
+    )
 
 
 def test_each_gain_cell_is_the_layers_saving_over_the_cited_step():
@@ -186,7 +201,7 @@ def test_a_size_slower_than_stock_within_one_wave_is_reported(copy):
 
     rewrite(copy, SCORES, slower)
     label = (
-        "README.md: figure block 'opt_in': docs/bench-scores-h200.json "
+        f"README.md: figure block 'opt_in': {SCORES} "
         "contradicts it: step_select_graph_us: slower than stock within one wave"
     )
     assert rf.problems(copy / "README.md", copy) == [label]
@@ -194,7 +209,7 @@ def test_a_size_slower_than_stock_within_one_wave_is_reported(copy):
 
 def test_the_old_past_one_wave_label_is_reported(copy):
     readme = copy / "README.md"
-    marker = "<!-- figures: opt_in from docs/bench-scores-h200.json -->\n"
+    marker = f"<!-- figures: opt_in from {SCORES} -->\n"
     old = (
         "0.81-1.05x at 32-64 requests of 128K-256K pools, where the select runs "
         "past one wave of its clusters\n"
@@ -302,13 +317,6 @@ def test_the_select_labels_follow_the_data(copy, rows, width, factor, named):
     assert (size in slower) == (named is not None)
     (problem,) = rf.problems(copy / "README.md", copy)
     assert problem.startswith("README.md: figure block 'select' differs")
-
-
-def test_an_h100_s_select_is_on_its_132_sms(copy):
-    h100 = "NVIDIA H100 80GB HBM3"
-    rewrite(copy, SELECT, lambda data: data["meta"].update(gpu=h100))
-    text = rf.flat(rf.render("select", SELECT, copy))
-    assert "one H100 80GB HBM3;" in text and "on the H100 80GB HBM3's 132 SMs" in text
 
 
 def test_a_card_without_an_sm_count_is_reported(copy):
