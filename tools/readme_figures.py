@@ -15,10 +15,11 @@ label changed without its figure, is reported. ``python
 tools/readme_figures.py`` prints each block that differs and each claim not
 found, with the text it should have, and exits 1 (CI checks the same
 through ``tests/tools/test_readme_figures.py``); ``--write`` rewrites the
-blocks and their markers (claims are prose: edit them by hand; after a
-rerun: docs/gpu-tier.md). A new block is a function registered with
-``@block(NAME, "docs/X.json", page)`` and its markers in the page; a new
-claim a function registered with ``@claims(page, "docs/X.json")``.
+blocks and their markers; ``--claims`` prints the claims not found alone,
+each with the page's passage most like it: claims are prose, edited by hand
+(after a rerun: docs/gpu-tier.md). A new block is a function registered
+with ``@block(NAME, "docs/X.json", page)`` and its markers in the page; a
+new claim a function registered with ``@claims(page, "docs/X.json")``.
 
 The blocks of the select's rule need the patched vLLM (its one-wave rule
 decides where the stage runs the select): the overlay of the installed
@@ -35,6 +36,7 @@ import sys
 import textwrap
 from collections import Counter
 from collections.abc import Callable
+from difflib import SequenceMatcher
 from functools import partial
 from pathlib import Path
 
@@ -1186,15 +1188,16 @@ def render(name: str, source: str, root: Path = REPO) -> str:
     return wrap(fn(json.loads((root / source).read_text())))
 
 
-def problems(path: Path | None = None, root: Path = REPO) -> list[str]:
+def problems(path: Path | None = None, root: Path = REPO, near=False) -> list[str]:
     """What ``path`` (default: every page) gets wrong: blocks that differ from
-    their JSON, are missing or belong elsewhere, and claims not found."""
+    their JSON, are missing or belong elsewhere, and claims not found (with
+    ``near``: the claims alone, each with the page's passage most like it)."""
     if path is None:
-        return [p for page in pages(root) for p in problems(page, root)]
+        return [p for page in pages(root) for p in problems(page, root, near)]
     path = path.resolve()  # a page named from the working directory
     text, out = path.read_text(), []
     page = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
-    found = BLOCK.findall(text)
+    found = [] if near else BLOCK.findall(text)
     for name, source, body in found:
         try:
             want = render(name, source, root)
@@ -1208,9 +1211,9 @@ def problems(path: Path | None = None, root: Path = REPO) -> list[str]:
             out.append(f"{page}: figure block {name!r} belongs in {PAGE_OF[name]}")
         elif body.strip() != want:
             out.append(f"{page}: figure block {name!r} differs; from {source}:\n{want}")
-    if text.count("<!-- figures:") != len(found):
+    if text.count("<!-- figures:") != len(found) and not near:
         out.append(f"{page}: a <!-- figures: --> marker without its block")
-    mine = {name for name, where in PAGE_OF.items() if where == page}
+    mine = {name for name, where in PAGE_OF.items() if where == page and not near}
     missing = sorted(mine - {name for name, _, _ in found})
     out += [f"{page}: no figure block {name!r}" for name in missing]
     flat_text = flat(text)
@@ -1227,7 +1230,17 @@ def problems(path: Path | None = None, root: Path = REPO) -> list[str]:
         for phrase in phrases:
             if flat(phrase) not in flat_text:
                 out.append(f"{page}: not found; from {named}: {flat(phrase)!r}")
+                if near:
+                    out[-1] += f"\n  nearest: {nearest(phrase, flat_text)!r}"
     return out
+
+
+def nearest(phrase: str, text: str) -> str:
+    """The run of ``text``'s words as long as ``phrase``'s most like it."""
+    want, words = flat(phrase).split(), text.split()
+    runs = [words[i : i + len(want)] for i in range(len(words) - len(want) + 1)]
+    like = lambda run: (SequenceMatcher(None, want, run).ratio(), run[0] == want[0])
+    return " ".join(max(runs or [words], key=like))
 
 
 def write(path: Path | None = None, root: Path = REPO) -> None:
@@ -1249,17 +1262,17 @@ def write(path: Path | None = None, root: Path = REPO) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the blocks")
-    parser.add_argument(
-        "--page", type=Path, help="one page (default: README.md and docs/*.md)"
-    )
+    add = parser.add_argument
+    add("--write", action="store_true", help="rewrite the blocks")
+    add("--claims", action="store_true", help="claims not found, and where")
+    add("--page", type=Path, help="one page (default: README.md and docs/*.md)")
     args = parser.parse_args(argv)
     from tools import overlay
 
     overlay.import_patched("readme_figures.py")
     if args.write:
         write(args.page)
-    found = problems(args.page)
+    found = problems(args.page, near=args.claims)
     for problem in found:
         print(problem)
     return int(bool(found))

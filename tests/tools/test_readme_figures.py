@@ -251,6 +251,18 @@ def test_a_range_its_json_does_not_give_is_reported(copy, pattern, new):
     assert right in problem  # what it should say
 
 
+def test_the_claims_alone_with_the_passage_to_edit(copy):
+    """``near`` (``--claims``): a claim not found with the page's passage most
+    like it; a block that differs not reported."""
+    page = copy / rf.PERFORMANCE
+    change(page, a_row(page, "kernels"))
+    pattern = r"at 16K pools from 4 rows \(([\d.-]+)x;"
+    edit_claim(page, pattern, "0.11-0.22")
+    (problem,) = rf.problems(page, copy, near=True)
+    assert problem.startswith("docs/performance.md: not found; from docs/")
+    assert "\n  nearest: 'at 16K pools from 4 rows (0.11-0.22x;" in problem
+
+
 def test_a_changed_json_figure_is_reported_in_the_docs(copy):
     path = copy / "docs" / "select-clusters-h200.json"
     data = json.loads(path.read_text())
