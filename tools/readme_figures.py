@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The figures of README.md and docs/*.md, recomputed from the committed JSON
-they cite.
+they cite: the benchmark's from one, ``BENCH`` (a run of tools/bench.py).
 
 A figure block is the text between ``<!-- figures: NAME from docs/X.json -->``
 and ``<!-- /figures -->`` (a table, or a paragraph with its figures);
@@ -15,10 +15,11 @@ label changed without its figure, is reported. ``python
 tools/readme_figures.py`` prints each block that differs and each claim not
 found, with the text it should have, and exits 1 (CI checks the same
 through ``tests/tools/test_readme_figures.py``); ``--write`` rewrites the
-blocks (claims are prose: edit them by hand). A new block is a function
-here, registered with ``@block(NAME, "docs/X.json", page)``, and its
-markers in the page; a new claim a function registered with
-``@claims(page, "docs/X.json")`` returning its phrases.
+blocks and their markers; ``--claims`` prints the claims not found alone,
+each with the page's passage most like it: claims are prose, edited by hand
+(after a rerun: docs/gpu-tier.md). A new block is a function registered
+with ``@block(NAME, "docs/X.json", page)`` and its markers in the page; a
+new claim a function registered with ``@claims(page, "docs/X.json")``.
 
 The blocks of the select's rule need the patched vLLM (its one-wave rule
 decides where the stage runs the select): the overlay of the installed
@@ -35,6 +36,7 @@ import sys
 import textwrap
 from collections import Counter
 from collections.abc import Callable
+from difflib import SequenceMatcher
 from functools import partial
 from pathlib import Path
 
@@ -57,14 +59,17 @@ LAYERS = 45
 DSA_LAYERS = 11
 FIRST_DSA_LAYER = 3
 # The SMs of the card a JSON's meta names, for the select's one-wave rule.
-SMS = {"NVIDIA H200": 132}
-H200_SMS = SMS["NVIDIA H200"]
+SMS = {"NVIDIA H200": 132, "NVIDIA H100 80GB HBM3": 132}
 # The select's paths: FlashInfer SM90's FP32 logits, SM100's BF16.
 FP32, BF16 = "sm90-flashinfer", "sm100-flashinfer"
 # vLLM 0.33.0's torch and triton (its wheel's requirements and torch's; the
 # test checks them): `pip install vllm==0.33.0` brings these, the GPU runs
 # used the versions their JSON's meta gives.
 PINS = {"torch": "2.14.0", "triton": "3.8.0"}
+# tools/bench.py's JSON (meta; kernels, select, scores): every bench figure's.
+BENCH = "docs/bench-h200.json"
+# Until BENCH's run has them: parts from later partial runs (a test checks).
+SPLIT = {part: f"docs/bench-{part}-h200.json" for part in ("select", "scores")}
 # The decode tail's contexts in tools/bench.py (topk_inputs: positions in
 # [2**18 / 16, 2**18) tokens).
 TAIL_CONTEXTS = "16K-256K tokens"
@@ -82,17 +87,24 @@ STEP_SOURCE = "https://github.com/aarora79/agentic-coding-harness-benchmarks/pul
 STEP_MS = {1: 10.3, 8: 13.0, 16: 13.3}
 # The batches and the contexts (pools, tokens / 4) the README's table gives.
 GAIN_REQUESTS = (1, 8, 64)
-# The select JSON's commit: its meta names only the commit before ("this
-# commit's select, then 31e6ca5's (the previous commit's)"); the JSON came
-# in with 6eb5142, 31e6ca5's child (the test checks it where git can).
-SELECT_COMMIT = "6eb5142"
-SELECT_BEFORE = "31e6ca5"
 
 BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {}
 # The page each block is in (README.md or docs/NAME.md).
 PAGE_OF: dict[str, str] = {}
 # (page, sources, fn(*data) -> the phrases the page must hold).
 CLAIMS: list[tuple[str, tuple[str, ...], Callable[..., list[str]]]] = []
+
+
+def bench(part: str) -> str:
+    """The JSON of ``part`` of the bench (kernels, select, scores)."""
+    return SPLIT.get(part, BENCH)
+
+
+def k_of(data: dict) -> int:
+    """The top-k's k in pools: the JSON's meta's, else tools/bench.py's."""
+    from tools.bench import K_POOLS
+
+    return data["meta"].get("k", K_POOLS)
 
 
 def block(name: str, source: str, page: str = "README.md"):
@@ -204,7 +216,7 @@ def runs_of(values: list, measured: list) -> str:
     return join([f"{r[0]}" + (f"-{r[-1]}" if len(r) > 1 else "") for r in runs])
 
 
-@block("tail", "docs/bench-h200.json")
+@block("tail", BENCH)
 def tail_block(data: dict) -> str:
     """The decode tail by decode rows on FlashInfer SM90, then the other paths,
     the eager figures and the share of the tail and top-k the stage removes."""
@@ -213,11 +225,11 @@ def tail_block(data: dict) -> str:
     intro = (
         f"`tools/bench.py` on one {card(data)} (torch {m['torch']}, triton "
         f"{m['triton']}, CuTe DSL 4.8.0), commit {m['commit']}, {m['date']} "
-        f"({link('docs/bench-h200.json')}), "
+        f"({link(BENCH)}), "
         "graph-replayed, stock and the stage in one run: one DSA layer's decode "
         "tail (the update, the upcast where the path has one, the expansion and "
-        f"conversion after a 512-pool top-k; contexts of {TAIL_CONTEXTS}) on "
-        "FlashInfer SM90, Hopper's default:"
+        f"conversion after a {k_of(data)}-pool top-k; contexts of {TAIL_CONTEXTS}) "
+        "on FlashInfer SM90, Hopper's default:"
     )
     rows = []
     for r in sm90:
@@ -225,11 +237,8 @@ def tail_block(data: dict) -> str:
         cells = [f"{x:.1f}" for x in (stock, stage, stock - stage)]
         rows.append([str(r["rows"]), *cells, f"{ratio(r['graph_us']):.2f}"])
 
-    def saving(path):
-        return span((saved(r, "graph_us") for r in where(tails, path=path)), ".1f")
-
-    def topk(rows):
-        return select_row(data, FP32, rows, 65536)["select_graph_us"][0]
+    saving = lambda p: span((saved(r, "graph_us") for r in where(tails, path=p)), ".1f")
+    topk = lambda rows: select_row(data, FP32, rows, 65536)["select_graph_us"][0]
 
     def share(rows):
         (stock, stage), *_ = [r["graph_us"] for r in sm90 if r["rows"] == rows]
@@ -254,7 +263,7 @@ def tail_block(data: dict) -> str:
     return "\n".join([intro, "", table(head, rows, left=0), "", rest])
 
 
-def one_wave(rows: int, width: int, path: str = FP32, sms: int = H200_SMS) -> bool:
+def one_wave(rows: int, width: int, path: str, sms: int) -> bool:
     """Whether the stage runs the select on ``sms`` SMs: the patched vLLM's rule."""
     import torch
 
@@ -264,14 +273,14 @@ def one_wave(rows: int, width: int, path: str = FP32, sms: int = H200_SMS) -> bo
     return launch.one_wave(rows, width, dtype[path], sms)
 
 
-def step_one_wave(row: dict, sms: int = H200_SMS) -> bool:
+def step_one_wave(row: dict, sms: int) -> bool:
     """Whether the step ``row``'s rows (requests x next_n) are one wave."""
-    return one_wave(row["rows"] * row["next_n"], row["context"], sms=sms)
+    return one_wave(row["rows"] * row["next_n"], row["context"], FP32, sms)
 
 
-def max_one_wave_rows(width: int, sms: int = H200_SMS) -> int:
+def max_one_wave_rows(width: int, sms: int) -> int:
     rows = 1
-    while one_wave(rows + 1, width, sms=sms):
+    while one_wave(rows + 1, width, FP32, sms):
         rows += 1
     return rows
 
@@ -312,7 +321,7 @@ def step_sizes(rows: list[dict], data: dict) -> str:
     return " ".join(parts)
 
 
-@block("gain", "docs/bench-scores-h200.json")
+@block("gain", bench("scores"))
 def gain_block(data: dict) -> str:
     """What a decode step saves, per output token and as a share of a cited
     decode step, with the figures' limits."""
@@ -345,7 +354,7 @@ def gain_block(data: dict) -> str:
         "DeepGEMM's scores and stock's top-k on both sides, FlashInfer SM90, "
         f"Hopper's default, CUDA graphs) took {stock} µs stock and "
         f"{span((saved(r) for r in every), '.1f')} µs less with the stage on one {gpu} "
-        f"({link('docs/bench-scores-h200.json')}, `tools/bench.py`). GLM-5-Next has "
+        f"({link(bench('scores'))}, `tools/bench.py`). GLM-5-Next has "
         f"{DSA_LAYERS} such layers ({layers} of its {LAYERS}; the other "
         f"{LAYERS - DSA_LAYERS} are KDA linear attention), so a decode step is "
         f"{DSA_LAYERS} x that shorter, for every request in it. Each cell: that "
@@ -364,12 +373,9 @@ def gain_block(data: dict) -> str:
         "concurrent requests: "
         f"{join([f'{STEP_MS[n]:.1f}' for n in cited])} ms (<{STEP_SOURCE}>). No "
         "public GLM-5-Next figure on H200 or H100 was found"
-        + (
-            f", nor one of {n_big} requests: the {STEP_MS[top]:.1f} ms of {top} is "
-            "a floor there, so the share is a ceiling"
-            if n_big
-            else ""
-        )
+        + f", nor one of {n_big} requests: the {STEP_MS[top]:.1f} ms of {top} is "
+        "a floor there, so the share is a ceiling"
+        * bool(n_big)
         + ". GLM-5-Next, the smaller model, likely steps faster, which would raise "
         "the share; the source gives no prompt lengths, and at long contexts a "
         "step takes longer (stock's indexer alone takes "
@@ -401,12 +407,13 @@ def gain_block(data: dict) -> str:
         "(its saving is below). The SM100 path's figures below were measured on "
         f"the {gpu}: no SM100 GPU (B200) ran."
     )
-    limits = ["Beside these figures:", "", versions, since, contexts, paths]
+    split = [since] if SPLIT else []  # tables of several runs
+    limits = ["Beside these figures:", "", versions, *split, contexts, paths]
     gains = table(f"requests (step time) | {head}", rows)
     return "\n".join([intro, "", gains, "", source, "", *limits])
 
 
-@block("opt_in", "docs/bench-scores-h200.json")
+@block("opt_in", bench("scores"))
 def opt_in_block(data: dict) -> str:
     """The step with the opt-ins, within and past one wave of the select's
     clusters: where each saves and where it is slower than stock."""
@@ -437,7 +444,7 @@ def opt_in_block(data: dict) -> str:
         return text
 
     return (
-        f"The opt-ins in the same run ({link('docs/bench-scores-h200.json')}), on "
+        f"The opt-ins in the same run ({link(bench('scores'))}), on "
         "the same step (next_n 1 and 2): "
         "`kpool_select: true`, the select at every batch size, "
         f"{verdict('step_select_graph_us')}. "
@@ -536,16 +543,14 @@ def within_wave(rows: list[dict], name: str) -> str:
     )
 
 
-@block("select", "docs/bench-select-h200.json")
+@block("select", bench("select"))
 def select_block(data: dict) -> str:
     """The select alone against stock's top-k: within one wave, where it is
     faster and slower, its chain, and past one wave."""
     sms, m, gpu = sms_of(data), data["meta"], card(data)
-    inside = staged(data, sms=sms)
+    inside = staged(data)
     fp32, bf16 = where(inside, path=FP32), where(inside, path=BF16)
     past = [r for r in data["select"] if r not in inside and r["logits"] == "randn"]
-    assert SELECT_BEFORE in m["measured"], m["measured"]
-    assert m["commit"] == SELECT_COMMIT, m["commit"]
 
     def chain(rows):
         values = [ratio(r["chain_graph_us"]) for r in rows]
@@ -553,13 +558,12 @@ def select_block(data: dict) -> str:
 
     def beyond(name):
         rows = where(past, path=name)
-        slow = [r for r in rows if r2(r) < 1]
-        sizes = f"{len(slow)} of its {len(rows)} sizes"
+        sizes = f"{sum(r2(r) < 1 for r in rows)} of its {len(rows)} sizes"
         return f"{ratio_span(rows)}x (slower than stock at {sizes})"
 
     return (
         "The select alone against stock's top-k (k "
-        f"{m['k']}; {link('docs/bench-select-h200.json')}, `tools/bench.py`, commit "
+        f"{k_of(data)}; {link(bench('select'))}, `tools/bench.py`, commit "
         f"{m['commit']}, {m['date']}, one {gpu}; rows are requests x next_n, "
         "a pool is 4 tokens). `kpool_select: true` runs it at every decode batch "
         'size, `"one_wave"` only within one wave of its clusters (on the '
@@ -620,7 +624,7 @@ def kernel_table(kernels: list[dict], label, cell, head: str, first: str = "") -
     return table(" | ".join([head, first + str(rows[0]), *map(str, rows[1:])]), lines)
 
 
-@block("kernels", "docs/bench-h200.json", PERFORMANCE)
+@block("kernels", BENCH, PERFORMANCE)
 def kernels_block(data: dict) -> str:
     """Each kernel's ratio by decode rows, graph-replayed and eager."""
     kernels = [r for r in data["kernels"] if r["case"] != "upcast"]
@@ -632,7 +636,7 @@ def kernels_block(data: dict) -> str:
     return "\n\n".join([ratios("graph"), ratios("eager")])
 
 
-@block("upcast", "docs/bench-h200.json", PERFORMANCE)
+@block("upcast", BENCH, PERFORMANCE)
 def upcast_block(data: dict) -> str:
     """The upcast's ratio by rows, row ends and pools; ours' share of the copy."""
     upcasts = where(data["kernels"], case="upcast")
@@ -642,18 +646,20 @@ def upcast_block(data: dict) -> str:
     return kernel_table(upcasts, label, cell, head, "rows ")
 
 
-@claims(PERFORMANCE, "docs/bench-h200.json")
+@claims(PERFORMANCE, BENCH)
 def kernel_claims(data: dict) -> list[str]:
     kernels = data["kernels"]
     n, selects = len(kernels), len(data["select"])
     spread = max(max(r["graph_spread"]) for r in kernels)
     noisy = sum(max(r["eager_spread"]) > 0.10 for r in kernels)
-    copy = data["meta"]["copy"]
+    m, copy = data["meta"], data["meta"]["copy"]
     sm100 = where(kernels, case="tail", path=BF16)
     full = where(kernels, case="upcast", ends="full")
     wide = [r for r in full if (r["rows"], r["width"]) in ((256, 65536), (64, 262144))]
     return [
-        f"{link('bench-h200.json')} ({n} kernel rows, {selects} select rows)",
+        f"Stock against the stage on one {m['gpu']}, as ratios",
+        f"on the code of commit {m['commit']}, {m['date'][:10]}",
+        f"{link(Path(BENCH).name)} ({n} kernel rows, {selects} select rows)",
         f"(under {5 * math.ceil(20 * spread)} % in every graph row of this run)",
         f"{noisy} of the {n} kernel rows have a spread above 10 % on one side",
         (
@@ -730,18 +736,17 @@ def select_label_is_its_row(logits: str, size: str, key: tuple) -> None:
     ), f"the row labelled {logits!r}, {size!r} is {key}"
 
 
-@block("select_table", "docs/bench-select-h200.json", PERFORMANCE)
+@block("select_table", bench("select"), PERFORMANCE)
 def select_table_block(data: dict) -> str:
     """A selection of the select's rows: µs of the select alone, then ratios."""
     rows = []
     for logits, size, key in SELECT_TABLE:
         select_label_is_its_row(logits, size, key)
         r = select_row(data, *key)
-        stock, now = r["select_graph_us"]
-        cells = [f"{us:.2f}" for us in (stock, r["select_graph_us_before"][1], now)]
+        cells = [f"{us:.2f}" for us in r["select_graph_us"]]
         cells += [f"{ratio(r[k]):.2f}" for k in SELECT_KEYS]
         rows.append([logits, size, *cells])
-    head = "logits | rows x pools, row ends | stock | 31e6ca5 | now | select x"
+    head = "logits | rows x pools, row ends | stock | select | select x"
     return table(f"{head} | chain x | eager chain x", rows, left=2)
 
 
@@ -759,12 +764,12 @@ ONE_WAVE_TABLE = [
 ]
 
 
-def staged(data: dict, path: str | None = None, sms: int = H200_SMS) -> list[dict]:
-    """The select's rows where the stage runs it (``one_wave``)."""
+def staged(data: dict, path: str | None = None) -> list[dict]:
+    """The select's rows where the stage runs it (``one_wave``) on the card."""
     return [
         r
         for r in data["select"]
-        if one_wave(r["rows"], r["width"], r["path"], sms)
+        if one_wave(r["rows"], r["width"], r["path"], sms_of(data))
         and (path is None or r["path"] == path)
     ]
 
@@ -773,7 +778,7 @@ def ends_of(row: dict) -> str:
     return row["context"].split(",")[0]
 
 
-@block("one_wave_table", "docs/bench-select-h200.json", PERFORMANCE)
+@block("one_wave_table", bench("select"), PERFORMANCE)
 def one_wave_table_block(data: dict) -> str:
     """The select's ranges over the sizes where the stage runs it."""
     lines = []
@@ -785,7 +790,7 @@ def one_wave_table_block(data: dict) -> str:
     return table(head, lines, left=2)
 
 
-@claims(PERFORMANCE, "docs/bench-select-h200.json")
+@claims(PERFORMANCE, bench("select"))
 def select_claims(data: dict) -> list[str]:
     fp32, bf16 = staged(data, FP32), staged(data, BF16)
     randn = where(fp32, logits="randn")
@@ -797,21 +802,17 @@ def select_claims(data: dict) -> list[str]:
     sizes = [r for r in big if ends_of(r) != "short" and r["logits"] not in BELOW_K]
     slower = [r for r in sizes if ratio(r["select_graph_us"]) < 1]
 
-    def faster(rows):
-        return {ratio(r["select_graph_us"]) > 1 for r in rows}
-
+    faster = lambda rows: {ratio(r["select_graph_us"]) > 1 for r in rows}
     assert faster(bf16) == {True}, "BF16: the select slower than stock somewhere"
     assert faster(from_4) == {False}, "16K pools from 4 rows: not all slower"
     assert faster(r for r in sizes if r in randn) == {False}, "64 x 64K, 8 x 256K"
     relu = {r["logits"] for r in slower} - {"randn"}
     assert relu == {"relu 1%", "relu 50%"}, f"slower on ReLU logits: {relu}"
-    small64 = select_row(data, FP32, 64, 16384)
-    one, eight = select_row(data, FP32, 1, 65536), select_row(data, FP32, 8, 65536)
-    before = [ratio(r["select_graph_us_before"]) for r in short]
     # Rounded down, so that "x or more" holds.
     chain = math.floor(min(ratio(r["chain_graph_us"]) for r in fp32 + bf16) * 100)
+    date, name = data["meta"]["date"][:16], Path(bench("select")).name
     return [
-        f"All {len(data['select'])} rows of one run ({data['meta']['date'][:16]})",
+        f"All {len(data['select'])} rows of one run ({date}) are in {link(name)}",
         f"On FP32 it is at short row ends ({ratio_span(short)}x:",
         (
             f"at 16K pools from 4 rows ({ratio_span(from_4)}x; "
@@ -822,17 +823,6 @@ def select_claims(data: dict) -> list[str]:
             "also on ReLU logits with 1-50 % positive)"
         ),
         f"The chain stays {chain / 100:.2f}x or more everywhere the stage runs it",
-        (
-            f"FP32 short ends {span(before)}x stock before, {ratio_span(short)}x "
-            f"now; 64 x 16K {small64['select_graph_us_before'][1]:.2f} to "
-            f"{small64['select_graph_us'][1]:.2f} µs"
-        ),
-        (
-            f"timed 31e6ca5's select at {one['select_graph_us_before'][1]:.2f} µs at "
-            f"1 x 64K and {eight['select_graph_us_before'][1]:.2f} at 8 x 64K, and "
-            f"this commit's at {one['select_graph_us'][1]:.2f} and "
-            f"{eight['select_graph_us'][1]:.2f}"
-        ),
     ]
 
 
@@ -844,14 +834,13 @@ def step_row(data: dict, rows: int, next_n: int, pools: int) -> dict:
 # The step table's sizes: requests, next_n, pools.
 STEP_TABLE = [
     *((n, 1, width) for width in (4096, 65536) for n in (1, 8, 64)),
-    (1, 1, 262144),
-    (64, 1, 262144),
+    *((n, 1, 262144) for n in (1, 64)),
     (1, 2, 65536),
     (64, 2, 262144),
 ]
 
 
-@block("step_table", "docs/bench-scores-h200.json", PERFORMANCE)
+@block("step_table", bench("scores"), PERFORMANCE)
 def step_table_block(data: dict) -> str:
     """The indexer decode after the query with DeepGEMM's scores on both sides."""
     lines = []
@@ -865,7 +854,7 @@ def step_table_block(data: dict) -> str:
     return table(f"{head} | stock/stage | stock/select | eager stock/stage", lines)
 
 
-@block("chain_table", "docs/bench-scores-h200.json", PERFORMANCE)
+@block("chain_table", bench("scores"), PERFORMANCE)
 def chain_table_block(data: dict) -> str:
     """Every step size: stock, the select, our scores too, each scores alone."""
     lines = []
@@ -880,7 +869,7 @@ def chain_table_block(data: dict) -> str:
     return table(f"{head} | eager stock/ours | DeepGEMM alone | ours alone", lines)
 
 
-@claims(PERFORMANCE, "docs/bench-scores-h200.json")
+@claims(PERFORMANCE, bench("scores"))
 def scores_claims(data: dict) -> list[str]:
     rows = data["scores"]
     pair, select = "step_scores_graph_us", "step_select_graph_us"
@@ -896,10 +885,8 @@ def scores_claims(data: dict) -> list[str]:
     # Our scores' time over DeepGEMM's.
     behind = [100 * (ratio(r["scores_graph_us"][::-1]) - 1) for r in slower]
     assert min(behind) > 0, "our scores alone not behind DeepGEMM's everywhere"
-    assert not any(map(step_one_wave, slower)), (
-        "slower than stock within one wave, not past it"
-    )
-    past = [r for r in big if not step_one_wave(r)]
+    past = [r for r in big if not step_one_wave(r, sms_of(data))]
+    assert all(r in past for r in slower), "slower than stock within one wave"
     within = " and ".join(
         f"{r['rows']} x {pools(r['context'])} at next_n {r['next_n']}"
         for r in big
@@ -1201,15 +1188,16 @@ def render(name: str, source: str, root: Path = REPO) -> str:
     return wrap(fn(json.loads((root / source).read_text())))
 
 
-def problems(path: Path | None = None, root: Path = REPO) -> list[str]:
+def problems(path: Path | None = None, root: Path = REPO, near=False) -> list[str]:
     """What ``path`` (default: every page) gets wrong: blocks that differ from
-    their JSON, are missing or belong elsewhere, and claims not found."""
+    their JSON, are missing or belong elsewhere, and claims not found (with
+    ``near``: the claims alone, each with the page's passage most like it)."""
     if path is None:
-        return [p for page in pages(root) for p in problems(page, root)]
+        return [p for page in pages(root) for p in problems(page, root, near)]
     path = path.resolve()  # a page named from the working directory
     text, out = path.read_text(), []
     page = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
-    found = BLOCK.findall(text)
+    found = [] if near else BLOCK.findall(text)
     for name, source, body in found:
         try:
             want = render(name, source, root)
@@ -1223,9 +1211,9 @@ def problems(path: Path | None = None, root: Path = REPO) -> list[str]:
             out.append(f"{page}: figure block {name!r} belongs in {PAGE_OF[name]}")
         elif body.strip() != want:
             out.append(f"{page}: figure block {name!r} differs; from {source}:\n{want}")
-    if text.count("<!-- figures:") != len(found):
+    if text.count("<!-- figures:") != len(found) and not near:
         out.append(f"{page}: a <!-- figures: --> marker without its block")
-    mine = {name for name, where in PAGE_OF.items() if where == page}
+    mine = {name for name, where in PAGE_OF.items() if where == page and not near}
     missing = sorted(mine - {name for name, _, _ in found})
     out += [f"{page}: no figure block {name!r}" for name in missing]
     flat_text = flat(text)
@@ -1242,7 +1230,17 @@ def problems(path: Path | None = None, root: Path = REPO) -> list[str]:
         for phrase in phrases:
             if flat(phrase) not in flat_text:
                 out.append(f"{page}: not found; from {named}: {flat(phrase)!r}")
+                if near:
+                    out[-1] += f"\n  nearest: {nearest(phrase, flat_text)!r}"
     return out
+
+
+def nearest(phrase: str, text: str) -> str:
+    """The run of ``text``'s words as long as ``phrase``'s most like it."""
+    want, words = flat(phrase).split(), text.split()
+    runs = [words[i : i + len(want)] for i in range(len(words) - len(want) + 1)]
+    like = lambda run: (SequenceMatcher(None, want, run).ratio(), run[0] == want[0])
+    return " ".join(max(runs or [words], key=like))
 
 
 def write(path: Path | None = None, root: Path = REPO) -> None:
@@ -1252,9 +1250,10 @@ def write(path: Path | None = None, root: Path = REPO) -> None:
             write(page, root)
         return
 
-    def new(m):
-        text = render(m[1], m[2], root)
-        return f"<!-- figures: {m[1]} from {m[2]} -->\n{text}\n<!-- /figures -->"
+    def new(m):  # the marker names the block's JSON as BLOCKS has it
+        name, source = m[1], BLOCKS.get(m[1], (m[2],))[0]
+        text = render(name, source, root)
+        return f"<!-- figures: {name} from {source} -->\n{text}\n<!-- /figures -->"
 
     text = path.read_text()
     if BLOCK.search(text):
@@ -1263,17 +1262,17 @@ def write(path: Path | None = None, root: Path = REPO) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the blocks")
-    parser.add_argument(
-        "--page", type=Path, help="one page (default: README.md and docs/*.md)"
-    )
+    add = parser.add_argument
+    add("--write", action="store_true", help="rewrite the blocks")
+    add("--claims", action="store_true", help="claims not found, and where")
+    add("--page", type=Path, help="one page (default: README.md and docs/*.md)")
     args = parser.parse_args(argv)
     from tools import overlay
 
     overlay.import_patched("readme_figures.py")
     if args.write:
         write(args.page)
-    found = problems(args.page)
+    found = problems(args.page, near=args.claims)
     for problem in found:
         print(problem)
     return int(bool(found))

@@ -7,8 +7,9 @@ opt-ins' text calls past one wave is past one wave of the select's clusters
 (the patched vLLM's rule on the JSON's card) and every such size is named; a
 size slower than stock within one wave is reported; every row where the
 select alone is slower than stock within one wave is named as slower, and
-every size named as faster is faster. Pins and commits the text quotes are
-checked where they can be."""
+every size named as faster is faster, in the README and in the run issue
+57 read; the text names the card of its JSON, whatever it is. Pins and
+commits the text quotes are checked where they can be."""
 
 from __future__ import annotations
 
@@ -16,16 +17,16 @@ import importlib.metadata
 import json
 import re
 import shutil
-import subprocess
 
 import pytest
 
 from tools import readme_figures as rf
 
 REPO = rf.REPO
-SCORES = "docs/bench-scores-h200.json"
-SELECT = "docs/bench-select-h200.json"
+SCORES, SELECT = rf.bench("scores"), rf.bench("select")
 FP32 = "sm90-flashinfer"
+# The select's run issue 57 read its labels from (6eb5142, 2026-12-03).
+ISSUE_57 = "docs/bench-select-h200.json"
 
 
 def load(source: str, root=REPO) -> dict:
@@ -73,24 +74,28 @@ def test_the_pins_are_vllm_0_33_0_s():
     ), triton
 
 
-def git(*args: str) -> str | None:
-    out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else None
+@pytest.mark.parametrize("name", ["tail", "gain", "select"])
+def test_a_block_names_the_card_and_commit_of_its_json(name):
+    meta = load(rf.BLOCKS[name][0])["meta"]
+    text = rf.flat(block_text(name))
+    assert f"one {meta['gpu'].removeprefix('NVIDIA ')}" in text
+    assert f"commit {rf.flat(meta['commit'])}, {meta['date']}" in text
 
 
-def test_the_select_json_is_of_the_commit_the_readme_names():
-    """Its meta names its commit, the README's, and the one before
-    ("6eb5142's select, then 31e6ca5's"); the README's commit is that one's
-    child, and its rows are the JSON's rows at that commit."""
-    meta = load(SELECT)["meta"]
-    assert meta["commit"] == rf.SELECT_COMMIT
-    assert f"{rf.SELECT_BEFORE}'s (its parent's)" in meta["measured"]
-    parent = git("rev-parse", f"{rf.SELECT_COMMIT}^")
-    if parent is None:
-        pytest.skip(f"no git history of {rf.SELECT_COMMIT} here")
-    assert parent.startswith(rf.SELECT_BEFORE)
-    then = json.loads(git("show", f"{rf.SELECT_COMMIT}:{SELECT}"))
-    assert then["select"] == load(SELECT)["select"]
+def test_the_text_names_the_card_its_json_gives(copy):
+    """The bench's figures measured on an H100 say so: no H200 in their text
+    but the cited step times'."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    for source in {rf.BENCH, *rf.SPLIT.values()}:
+        rewrite(copy, source, lambda data: data["meta"].update(gpu=h100))
+    cited = ("8 x H200 node", "on H200 or H100 was found")
+    for name, (source, _) in rf.BLOCKS.items():
+        if source in {rf.BENCH, *rf.SPLIT.values()}:
+            text = rf.flat(rf.render(name, source, copy))
+            assert "H200" not in re.sub("|".join(cited), "", text), name
+    assert "on the H100 80GB HBM3's 132 SMs" in rf.flat(
+        rf.render("select", SELECT, copy)
+    )
 
 
 def test_each_gain_cell_is_the_layers_saving_over_the_cited_step():
@@ -171,11 +176,11 @@ def test_what_the_opt_ins_call_past_one_wave_is_past_it(setting, key):
     """Issue 57's case first: 32 requests of 128K pools at next_n 1 are
     within one wave on the H200, so no label past one wave may hold them."""
     data = load(SCORES)
-    plan, sms = data["meta"]["plan"], rf.SMS[data["meta"]["gpu"]]
-    assert rf.one_wave(32, 131072, sms=sms)
+    plan, sms = data["meta"]["plan"], rf.sms_of(data)
+    assert rf.one_wave(32, 131072, FP32, sms)
 
     def past(r):
-        return not rf.one_wave(r["rows"] * r["next_n"], r["context"], sms=sms)
+        return not rf.step_one_wave(r, sms)
 
     found = PAST.findall(rf.flat(block_text("opt_in")))
     assert len(found) == 2, found
@@ -196,7 +201,7 @@ def test_a_size_slower_than_stock_within_one_wave_is_reported(copy):
 
     rewrite(copy, SCORES, slower)
     label = (
-        "README.md: figure block 'opt_in': docs/bench-scores-h200.json "
+        f"README.md: figure block 'opt_in': {SCORES} "
         "contradicts it: step_select_graph_us: slower than stock within one wave"
     )
     assert rf.problems(copy / "README.md", copy) == [label]
@@ -204,7 +209,7 @@ def test_a_size_slower_than_stock_within_one_wave_is_reported(copy):
 
 def test_the_old_past_one_wave_label_is_reported(copy):
     readme = copy / "README.md"
-    marker = "<!-- figures: opt_in from docs/bench-scores-h200.json -->\n"
+    marker = f"<!-- figures: opt_in from {SCORES} -->\n"
     old = (
         "0.81-1.05x at 32-64 requests of 128K-256K pools, where the select runs "
         "past one wave of its clusters\n"
@@ -215,7 +220,7 @@ def test_the_old_past_one_wave_label_is_reported(copy):
 
 
 def fp32_within(data: dict) -> list[dict]:
-    sms = rf.SMS[data["meta"]["gpu"]]
+    sms = rf.sms_of(data)
     return [
         r
         for r in data["select"]
@@ -262,7 +267,7 @@ def check_select(text: str, data: dict) -> None:
             assert size and all(rf.ratio(r["select_graph_us"]) > 1 for r in size), size
     bf16 = rf.flat(text).split("BF16 logits (with stock's upcast) it is")[1]
     if bf16.startswith(" faster at every size"):
-        sms = rf.SMS[data["meta"]["gpu"]]
+        sms = rf.sms_of(data)
         assert all(
             rf.ratio(r["select_graph_us"]) > 1
             for r in data["select"]
@@ -272,11 +277,14 @@ def check_select(text: str, data: dict) -> None:
 
 
 def test_every_row_where_the_select_alone_is_slower_is_named():
-    """The rows issue 57 named among them: 32 rows (next_n 4) of 64K pools
-    with random ends, 64 of 64K and 8 of 256K, all within one wave."""
-    data = load(SELECT)
-    check_select(block_text("select"), data)
-    _, slower = fp32_text(block_text("select"))
+    """In the README, and in the run issue 57 read, the rows it named among
+    them: 32 rows (next_n 4) of 64K pools with random ends, 64 of 64K and 8
+    of 256K, all within one wave."""
+    check_select(block_text("select"), load(SELECT))
+    data = load(ISSUE_57)
+    text = rf.wrap(rf.select_block(data))
+    check_select(text, data)
+    _, slower = fp32_text(text)
     for name in (
         "at 32 rows (next_n 4) of 64K pools with random ends (0.79x",
         "at 64 rows of 64K pools (0.95-0.97x",
