@@ -236,7 +236,7 @@ def edit_claim(page: Path, pattern: str, new: str) -> str:
 @pytest.mark.parametrize(
     "pattern, new",
     [
-        # The two ranges issue 57 named, and a label changed, its figures
+        # The two ranges a review found wrong, and a label changed, its figures
         # kept (they are from 4 rows).
         (r"select is ([\d.-]+)x stock's at 32-64 requests of 128K-256K pools", "0.9"),
         (r"\(([\d.-]+)x at 16K-64K pools,", "0.72-0.94"),

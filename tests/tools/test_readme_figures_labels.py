@@ -25,8 +25,8 @@ from tools import readme_figures as rf
 REPO = rf.REPO
 SCORES, SELECT = rf.bench("scores"), rf.bench("select")
 FP32 = "sm90-flashinfer"
-# The select's run issue 57 read its labels from (6eb5142, 2026-12-03).
-ISSUE_57 = "docs/bench-select-h200.json"
+# The select's run a review read its labels from (6eb5142, 2026-12-03).
+REVIEWED = "docs/bench-select-h200.json"
 
 
 def load(source: str, root=REPO) -> dict:
@@ -173,7 +173,7 @@ PAST = re.compile(
     ids=["kpool_select", "kpool_scores"],
 )
 def test_what_the_opt_ins_call_past_one_wave_is_past_it(setting, key):
-    """Issue 57's case first: 32 requests of 128K pools at next_n 1 are
+    """The reviewed case first: 32 requests of 128K pools at next_n 1 are
     within one wave on the H200, so no label past one wave may hold them."""
     data = load(SCORES)
     plan, sms = data["meta"]["plan"], rf.sms_of(data)
@@ -277,11 +277,11 @@ def check_select(text: str, data: dict) -> None:
 
 
 def test_every_row_where_the_select_alone_is_slower_is_named():
-    """In the README, and in the run issue 57 read, the rows it named among
+    """In the README, and in the reviewed run, the rows the review named among
     them: 32 rows (next_n 4) of 64K pools with random ends, 64 of 64K and 8
     of 256K, all within one wave."""
     check_select(block_text("select"), load(SELECT))
-    data = load(ISSUE_57)
+    data = load(REVIEWED)
     text = rf.wrap(rf.select_block(data))
     check_select(text, data)
     _, slower = fp32_text(text)
