@@ -1,12 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The indexer simulator's batches: a serving run's requests as GLM-5-Next's
-DSA layers see them (``Scheduler``) and each step's attention metadata as
-vLLM 0.33.0's own builders build it (``Builder``). Requests arrive (a
-random-walk concurrency target), some with a cached prefix, prefill in
-pool-aligned chunks (the stock kpool prefill write assumes it), decode
-``next_n`` tokens (1..spec+1 in phases, uniform or not, some drafts
-accepted: positions rewind) and finish, freeing their blocks."""
+"""The indexer simulator's batches: a serving run's requests (``Scheduler``)
+and each step's attention metadata as vLLM 0.33.0's builders build it
+(``Builder``). Prefills come in pool-aligned chunks (the stock kpool prefill
+write assumes it); decodes accept some of their drafts (positions rewind)."""
 
 import contextlib
 import random
@@ -139,7 +136,8 @@ def kind_of(decodes: int, requests: int) -> str:
 
 
 class Scheduler:
-    """The request stream of one run (see the module docstring)."""
+    """Arrivals toward a random-walk concurrency target, some with a cached
+    prefix; ``next_n`` 1..spec+1 in phases, uniform or not."""
 
     def __init__(self, geo: Geometry, work: Workload, rng: random.Random):
         self.geo, self.work, self.rng = geo, work, rng
@@ -212,7 +210,6 @@ class Scheduler:
         return self.allocate(Batch(items, max(q_lens), len(q_lens)))
 
     def release(self, batch: Batch) -> None:
-        """Frees ``batch``'s requests' blocks and tail blocks."""
         for item in batch.items:
             self.free_blocks.extend(item.req.blocks)
             self.free_tails.append(item.req.tail)
@@ -240,17 +237,13 @@ MLA_COMMON += ("query_start_loc", "slot_mapping")
 
 
 class Builder:
-    """Per-step metadata for every DSA layer of ``geo``: the indexer's and
-    the tail's from vLLM's builders given a ``CommonAttentionMetadata`` in
-    persistent buffers, as the model runner lays it (captured graphs read
-    them); the sparse MLA metadata by hand. ``platform`` answers as the
-    path's GPU would: an H100's SM count, no DeepGEMM on the CPU (its
-    schedule op has no CPU kernel; the logits stand-ins do not read it).
-    Decode rows: ``varlen`` (SM100, a row per token), SM90 ``native``
-    (``[B, next_n]`` for 1, 2 or 4) or ``flat`` (a row per token). vLLM
-    0.33.0 never pads non-uniform decodes: ``padded``, the builder's own
-    ``requires_padding`` path, answers native for every ``next_n`` and splits
-    them with ``require_uniform=False``; with ``deep_gemm`` (DeepGEMM's SM90
+    """Per-step metadata of every DSA layer: the indexer's and the tail's by
+    vLLM's builders from a ``CommonAttentionMetadata`` in persistent buffers
+    (captured graphs read them), the sparse MLA metadata by hand. No DeepGEMM
+    on the CPU: its schedule op has no CPU kernel (the stand-ins do not read
+    it). vLLM 0.33.0 never pads non-uniform decodes: ``padded`` (the
+    builder's ``requires_padding`` path) answers native for every ``next_n``
+    and splits with ``require_uniform=False``; with ``deep_gemm`` (its SM90
     kernel takes ``next_n`` 1, 2 or 4) native only for those."""
 
     def __init__(self, geo: Geometry, backend: Backend, device, deep_gemm=False):
