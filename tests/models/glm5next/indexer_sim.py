@@ -1,14 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The indexer simulator: GLM-5-Next's patched ``sparse_attn_indexer_kpool``
-and the sparse MLA top-k conversion as serving runs them, the ``dsa_kpool``
-stage against stock, every byte a step leaves: ``Run`` step after step
-(eager, FULL and piecewise graphs, two stages, streams held back), ``Bench``
-one step of one layer (the CPU routing tests); metadata from
-``indexer_batches``. DeepGEMM's scores are the simulator's own (vLLM's torch
-ones take no MX or query scales, read a ``next_n > 1`` cache per token and
-give ``-inf`` past a row's end: ``PAST_END`` here, which a top-k that read
-it would pick)."""
+"""The indexer simulator: the ``dsa_kpool`` stage against stock, every byte
+a step of ``sparse_attn_indexer_kpool`` and its top-k conversion leaves:
+``Run`` step after step (eager, FULL and piecewise graphs, two stages,
+streams held back), ``Bench`` one step of one layer (the CPU routing tests).
+DeepGEMM's scores are the simulator's own: vLLM's torch ones take no MX or
+query scales, read a ``next_n > 1`` cache per token and give ``-inf`` past a
+row's end (``PAST_END`` here, which a top-k that read it would pick)."""
 
 import contextlib
 import importlib.util
@@ -67,8 +65,6 @@ STOCK_MX = deep_gemm.mqa_logits_use_mx_scales
 KERNELS = dict(update=kpool.UPDATE, expand=kpool.EXPAND, remap=kpool.REMAP)
 KERNELS |= dict(upcast=kpool.UPCAST, select=kpool.SELECT, scores=scores_launch.SCORES)
 
-# --- References --------------------------------------------------------------
-
 
 def _scale(raw: torch.Tensor, mx: bool) -> torch.Tensor:
     """Per-32-block float64 factors of four scale bytes: UE8M0 with MX, else FP32."""
@@ -78,10 +74,9 @@ def _scale(raw: torch.Tensor, mx: bool) -> torch.Tensor:
 
 
 def _logits(q, q_scale, weights, width: int, ends, gather, mx: bool):
-    """``[R, width]`` float64 ``sum_h w_h relu(q_h . k)`` of FP8 ``q [R, H,
-    D]`` (MX ``q_scale``, or None: FP32 scales folded into the weights) and
-    the keys ``gather(rows, cols)`` gives (FP8, scale bytes): each 32-wide
-    block's dot product is exact in float64 whatever the order of its sums."""
+    """``sum_h w_h relu(q_h . k)`` of FP8 ``q [R, H, D]`` and the keys that
+    ``gather(rows, cols)`` gives, in float64: each 32-wide block's dot product
+    is exact whatever the order of its sums."""
     rows, heads = q.shape[:2]
     if q_scale is not None:
         raw = q_scale.reshape(rows, heads).contiguous().view(torch.uint8)
@@ -103,11 +98,9 @@ def _logits(q, q_scale, weights, width: int, ends, gather, mx: bool):
 
 
 def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
-    """DeepGEMM's ``fp8_fp4_paged_mqa_logits``: ``q = (values [B, next_n, H,
-    D], MX scales or None)``, ``kv_cache [blocks, page, D + 4]`` uint8 (a
-    page's values, then its scales), ``lens [B, next_n]`` in pools, ``tables``
-    per request or per row; BF16 logits with MX scales (SM100), else FP32
-    (``dtype`` overrides; ``pad``: row stride past ``max_model_len``)."""
+    """DeepGEMM's ``fp8_fp4_paged_mqa_logits`` (``tables`` per request or per
+    row): BF16 logits with MX scales (SM100), else FP32; ``dtype`` overrides,
+    ``pad`` widens the row stride past ``max_model_len``."""
     values, q_scale = q
     rows, (blocks, page) = values.shape[0] * values.shape[1], kv_cache.shape[:2]
     flat = kv_cache.reshape(blocks, -1)
@@ -128,8 +121,8 @@ def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
 
 
 def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
-    """DeepGEMM's ``fp8_fp4_mqa_logits`` (prefill): row ``i`` scores keys
-    ``[ks[i], ke[i])`` of ``kv = (values [N, D], scales [N])`` from column 0."""
+    """DeepGEMM's ``fp8_fp4_mqa_logits``: row ``i`` scores keys ``[ks[i],
+    ke[i])`` from column 0."""
     (values, q_scale), (k_values, k_scales) = q, kv
     raw = k_scales.contiguous().view(torch.uint8).view(-1, 4)
 
@@ -143,10 +136,8 @@ def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
 
 
 def deep_gemm_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
-    """DeepGEMM's own ``fp8_fp4_paged_mqa_logits`` (SM90: FP32 scales, no
-    ``indices``) with its schedule for this GPU (the kernel-only shim's laid
-    metadata carries none): on CUDA, the stock scores ``kpool_scores`` is
-    compared with."""
+    """DeepGEMM's own SM90 paged logits with its schedule for this GPU (the
+    kernel-only shim's metadata has none): what ``kpool_scores`` matches."""
     if q[1] is not None or kw.get("indices") is not None:
         raise ValueError("deep_gemm_logits: SM90's call (no MX scales, no indices)")
     arguments = dict(q=q, kv_cache=kv_cache, weights=weights, seq_lens=lens)
@@ -162,7 +153,7 @@ def deep_gemm_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
 
 def stable_topk(logits, starts, ends, k: int) -> torch.Tensor:
     """The ``k`` best columns of each row in ``[starts, ends)``, ties to the
-    lower column (a stable descending sort), -1 past the valid ones."""
+    lower column, -1 past the valid ones."""
     cols = torch.arange(logits.shape[1], device=logits.device)
     valid = (cols >= starts[:, None]) & (cols < ends[:, None])
     scores = logits.float().masked_fill(~valid, float("-inf"))
@@ -196,8 +187,7 @@ def contract_decode_topk(backend=None):
 
 
 def _gather(kv_cache, dst_k, dst_scale, block_table, cu) -> None:
-    """``cp_gather_indexer_k_quant_cache``: each request's first ``cu[b+1] -
-    cu[b]`` cache entries, in order, into ``dst_k [N, D]``, ``dst_scale``."""
+    """``cp_gather_indexer_k_quant_cache``: each request's first entries."""
     blocks, page = kv_cache.shape[:2]
     flat = kv_cache.reshape(blocks, -1)
     lens, total = (cu[1:] - cu[:-1]).long(), int(cu[-1])
@@ -222,9 +212,8 @@ Workspace.get_simultaneous = lambda *specs: [
 
 
 def references(patch, modules, device, logits=paged_logits, topk=None) -> None:
-    """The stand-ins in each indexer module of ``modules`` and in the stage
-    module (``topk``, when given, as ``get_indexer_topk``); the prefill
-    top-k op where vLLM's compiled ``_C`` is absent."""
+    """The stand-ins in the indexer ``modules`` and the stage (``topk`` as
+    ``get_indexer_topk``); the prefill top-k op where vLLM's ``_C`` is absent."""
     if not (_LIBRARY or hasattr(torch.ops._C, "top_k_per_row_prefill")) and (
         importlib.util.find_spec("vllm._C") is None
     ):
@@ -250,20 +239,15 @@ def references(patch, modules, device, logits=paged_logits, topk=None) -> None:
 
 
 def mx_scales(patch, flag: bool, *modules) -> None:
-    """``mqa_logits_use_mx_scales()`` answers ``flag`` in every module that
-    imported it and in ``modules`` (e.g. a stock indexer loaded by path)."""
+    """``mqa_logits_use_mx_scales()`` answers ``flag`` wherever imported."""
     vllm = [m for n, m in list(sys.modules.items()) if n.partition(".")[0] == "vllm"]
     for module in [*vllm, *modules]:
         if getattr(module, "mqa_logits_use_mx_scales", None) is STOCK_MX:
             patch.setattr(module, "mqa_logits_use_mx_scales", lambda: flag)
 
 
-# --- Kernels: stock twins and spies --------------------------------------------
-
-
 class Fake:
-    """A CUDA stream or event on the CPU: each use (``wait_event``,
-    ``record``, ...) logged with the names of its arguments."""
+    """A CUDA stream or event on the CPU: each use logged."""
 
     def __init__(self, log: list, name: str):
         self.log, self.name = log, name
@@ -286,7 +270,6 @@ def kernel_name(key) -> str:
 
 
 def stock_convert(req_ids, table, logical, block, stride, counts, **out):
-    """Stock's conversion of ``logical`` top-k rows to physical MLA rows."""
     sizes = dict(BLOCK_SIZE=block, BLOCK_STRIDE_ROWS=stride)
     sizes |= dict(NUM_TOPK_TOKENS=logical.shape[1], return_valid_counts=counts)
     return STOCK_CONVERT(req_ids, table, logical, **sizes, **out)
@@ -331,8 +314,7 @@ def twin(name: str, key, *args) -> None:
 
 
 def any_device(names, *tensors, optional=()) -> None:
-    """``host.check_devices`` that takes CPU tensors: each a tensor (None
-    only where ``optional``), all on one device."""
+    """``host.check_devices`` that takes CPU tensors."""
     first = None
     for name, tensor in zip(names, tensors, strict=True):
         if tensor is None and name in optional:
@@ -345,12 +327,9 @@ def any_device(names, *tensors, optional=()) -> None:
 
 
 class Spies:
-    """The stage's launches as ``watch`` wraps them: each records
-    ``kernel:<name>`` and its key (``launched``, ``launches``). With
-    ``compute`` (the CPU) the stock twin writes what the executor would, CPU
-    tensors pass ``check_devices``, the SM count is an H100's, and
-    ``timeline`` gets every route (``stock:<name>`` fallbacks, ``indexer:
-    expand``, ``defer``, materializations, the fake streams)."""
+    """The stage's launches as ``watch`` wraps them. With ``compute`` (the
+    CPU) the stock twin writes what the executor would, CPU tensors pass, the
+    SM count is an H100's, and ``timeline`` gets every route and stream use."""
 
     def __init__(self, patch, timeline: list, compute: bool = True):
         self.timeline, self.compute = timeline, compute
@@ -387,7 +366,6 @@ class Spies:
         return wrapper
 
     def watch(self, stage) -> None:
-        """Wraps ``stage``'s compiled executors, hand-overs, materializations."""
         for key, executor in list(stage.executors.items()):
             name = kernel_name(key)
             self.compiled[name].add(key)
@@ -409,8 +387,6 @@ class Spies:
             del stage.executors[key]
 
 
-# --- One engine's DSA layers ---------------------------------------------------
-
 # The stock sparse MLA impl of each backend path (the stage tells backends
 # apart by their class's ``forward_mqa``).
 IMPLS = dict(
@@ -425,10 +401,9 @@ def ints(shape, device) -> torch.Tensor:
 
 
 class Sim:
-    """One configuration: geometry, backend path, device, the initial caches
-    (FP8 keys scaled ``2^-12 .. 2^-5``; MX: four equal UE8M0 bytes, as the
-    update writes them), the inputs every model reads, the scheduler and the
-    metadata builder (``deep_gemm``: the rows DeepGEMM's own scores take)."""
+    """A configuration's initial caches (FP8 keys scaled ``2^-12 .. 2^-5``;
+    MX: four equal UE8M0 bytes, as the update writes them), inputs, scheduler
+    and metadata builder (``deep_gemm``: the rows DeepGEMM's scores take)."""
 
     def __init__(
         self, geo, backend, device, seed: int, timeline=None, work=None, deep_gemm=False
@@ -463,8 +438,8 @@ class Sim:
         )
 
     def fill(self, rows: int) -> None:
-        """Fresh random inputs for ``rows`` rows of every layer (the query's
-        and weights' heads past the indexer's own zero, as vLLM pads them)."""
+        """Fresh inputs for ``rows`` rows (query and weight heads past the
+        indexer's own zero, as vLLM pads them)."""
         real = self.geo.index_heads or self.geo.heads
         for name, x in vars(self.source).items():
             shape, gen = x[:, :rows].shape, self.gen
@@ -475,13 +450,12 @@ class Sim:
 
 
 class Model:
-    """One engine's DSA layers on ``sim``: ``module`` the indexer it runs,
-    ``kpool`` its ``SPECIALIZED_KPOOL`` (None: stock), ``options`` how it
-    converts (``counts``, ``layer_index``, ``block_stride_rows``, ``consume(
-    model, layer, logical, mla)``), ``hold`` GPU cycles a stream is held back
-    at a hand-off, ``between(layer)`` what runs between a layer's indexer and
-    its conversion. Per layer an index group (decode rows + 1) and ``snaps``:
-    what its consumer saw (``flags``: deferred, the rows converted)."""
+    """One engine's DSA layers: ``module`` the indexer it runs, ``kpool`` its
+    ``SPECIALIZED_KPOOL`` (None: stock), ``options`` how it converts
+    (``counts``, ``layer_index``, ``block_stride_rows``, ``consume``), ``hold``
+    GPU cycles a stream is held back at a hand-off, ``between(layer)`` what
+    runs between a layer's indexer and conversion; per layer an index group
+    and ``snaps``: what its consumer saw (``flags``: deferred, rows converted)."""
 
     def __init__(
         self, sim: Sim, name: str, *, module=None, impl=None, capacity=None, bound=True
@@ -538,25 +512,21 @@ class Model:
             self.attentions.append(NS(indexer=indexer, mla_attn=NS(mla_attn=mla)))
 
     def active(self):
-        """This model's ``SPECIALIZED_KPOOL`` in its indexer module."""
         kpool, module = self.kpool, self.module
         return mock.patch.object(module, "SPECIALIZED_KPOOL", kpool, create=True)
 
     def run(self, fwd, mode=CUDAGraphMode.NONE, dummy_run=False):
-        """One forward of ``fwd`` in a fresh forward context."""
         forward = context(fwd, mode, dummy_run=dummy_run)
         with self.active(), override_forward_context(forward):
             self.forward(fwd)
         return self
 
     def forward(self, fwd) -> None:
-        """Every DSA layer's step (the indexer and conversion: eager breaks)."""
         for layer in range(self.sim.geo.layers):
             self.forward_layer(fwd, layer)
         self.forwards += 1  # the model's work after the last break (its head)
 
     def forward_layer(self, fwd, layer: int) -> None:
-        """The layer's inputs copied in, what it writes poisoned, its step."""
         x, group = self.inputs[layer], self.groups[layer]
         for name, buffer in vars(x).items():
             buffer[: fwd.rows].copy_(getattr(self.sim.source, name)[layer, : fwd.rows])
@@ -571,8 +541,7 @@ class Model:
         self.layer_step(layer, fwd)
 
     def layer_step(self, layer: int, fwd) -> None:
-        """The layer's indexer, its ready event, then the conversion (the
-        unit ``tools/indexer_steps.py --time`` times)."""
+        """The unit ``tools/indexer_steps.py --time`` times."""
         index(self, layer, fwd)
         self.groups[layer].set_logical_topk_ready(0)
         if self.record:
@@ -582,8 +551,7 @@ class Model:
         consume(self, layer)
 
     def convert(self, layer: int, logical, mla):
-        """The top-k conversion as the backend path's ``forward_mqa`` makes
-        it: (physical rows, counts or None)."""
+        """As the backend path's ``forward_mqa`` converts: (rows, counts or None)."""
         o, group, rows = self.options, self.groups[layer], logical.shape[0]
         if "consume" in o:
             return o["consume"](self, layer, logical, mla)
@@ -614,9 +582,8 @@ class Model:
 
 @breakable.eager_break_during_capture
 def index(model: Model, layer: int, fwd) -> None:
-    """The layer's indexer call (an eager break, as the indexer is), the
-    compute stream held back first: a conversion that does not wait for the
-    indexer's rows reads the poison."""
+    """The layer's indexer call, the compute stream held back first: a
+    conversion that does not wait for the indexer's rows reads the poison."""
     geo, x, rows, sim = model.sim.geo, model.inputs[layer], fwd.rows, model.sim
     k_prefix, tail_prefix, _ = geo.prefixes[layer]
     if model.hold and not torch.cuda.is_current_stream_capturing():
@@ -633,9 +600,9 @@ def index(model: Model, layer: int, fwd) -> None:
 
 @breakable.eager_break_during_capture
 def consume(model: Model, layer: int) -> None:
-    """The MLA attention's use of the layer's top-k: convert, then keep what
-    it read and got. An eager break: at piecewise replay it runs in the
-    step's own forward context."""
+    """The MLA attention's conversion of the layer's top-k, what it read and
+    got kept. An eager break: at piecewise replay it runs in the step's own
+    forward context."""
     metadata = get_forward_context().attn_metadata
     if not isinstance(metadata, dict):
         return  # a capture's profiling forward
@@ -670,11 +637,8 @@ def context(fwd, mode=CUDAGraphMode.NONE, metadata="step", dummy_run=False):
 def build_stage(
     model: Model, registry, *, max_rows=None, select=False, scores=False, warm=True
 ):
-    """``model``'s stage as ``install()`` builds it: a ``KpoolStage`` added
-    to ``registry`` (the model's ``SPECIALIZED_KPOOL``) by its top-k buffer,
-    then (``warm``) its kernels' warmup keys compiled as vLLM's JIT warmup
-    does, self-check off. ``select``, ``scores``: ``kpool_select``'s and
-    ``kpool_scores``' values."""
+    """``model``'s stage as ``install()`` builds it (self-check off), added to
+    ``registry`` by its top-k buffer; ``warm``: its warmup keys compiled."""
     geo = model.sim.geo
     options = dict(mx_scales=model.sim.backend.mx, next_n=geo.spec + 1, scores=scores)
     options |= dict(select=select is not False, select_one_wave=select == "one_wave")
@@ -691,23 +655,18 @@ def build_stage(
         assert stage.executors, "the stage's warmup compiled nothing"
 
 
-# --- Stage against stock ---------------------------------------------------------
-
 # What ``differences`` compares, in its order.
 FIELDS = ("index cache", "tail cache", "logical top-k", "physical top-k")
 FIELDS += ("counts", "pool ids")
 
 
 def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False):
-    """Device flags (no sync): per ``FIELDS``, whether ``stage`` left other
-    bytes than ``stock`` in ``layer``'s step of ``tokens`` tokens; then
-    whether it deferred, and whether no consumer read its logical rows
-    (fused). Compared whole: the caches; the logical buffer as the consumer
-    saw it (a deferring stage leaves it as it was but for the consumer's
-    rows a conversion materialized); the rows and counts the conversion
-    returned; the group's buffers past the rows converted and the stage's
-    pool buffer past the step's pool ids, left as they were. ``sets``: top-k
-    rows compare as sets."""
+    """Device flags (no sync), per ``FIELDS``: whether ``stage`` left other
+    bytes than ``stock``; then whether it deferred, and whether no consumer
+    read its logical rows (fused). A deferring stage leaves the logical
+    buffer as it was but for rows a conversion materialized; the group's
+    buffers past the rows converted, and the pool buffer past the step's
+    pool ids, stay as they were. ``sets``: top-k rows compare as sets."""
     a, b = stock.snaps[layer], stage.snaps[layer]
     pool = stage.stage.pool_buffer.view(-1) if stage.stage else b.flags[:0]
     deferred = b.flags[0] == 1
@@ -721,7 +680,6 @@ def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False)
         return (x.view(torch.uint8) != y.view(torch.uint8)).any()
 
     def strays(name: str):
-        """Bytes of either group's buffer past the rows converted."""
         found = []
         for model, snap in ((stock, a), (stage, b)):
             buffer = getattr(model.groups[layer], name)
@@ -749,7 +707,6 @@ def flags(stock: Model, where, tokens: int, sets=False) -> list[list[int]]:
 
 
 def mismatches(stock: Model, stage: Model, tokens: int, sets=False) -> list[str]:
-    """The ``FIELDS`` that differ, per layer."""
     where = [(stage, i) for i in range(stage.sim.geo.layers)]
     found = zip(where, flags(stock, where, tokens, sets), strict=True)
     return [
@@ -761,11 +718,8 @@ def mismatches(stock: Model, stage: Model, tokens: int, sets=False) -> list[str]
 
 
 def assert_same(stock: Model, stage: Model, fwd, sets=False) -> None:
-    """Every byte of the step alike (``differences``)."""
     assert not mismatches(stock, stage, fwd.tokens, sets)
 
-
-# --- The step driver -----------------------------------------------------------
 
 MODES = ("eager", "full", "piecewise")
 STAND_INS = (
@@ -800,7 +754,6 @@ CPU_SCORES_GEOMETRY = replace(
 
 
 def scores_reach(cfg) -> bool:
-    """Whether the opt-in scores can run on ``cfg``'s backend and geometry."""
     geo = cfg.geo
     heads = scores_launch.served_heads(geo.index_heads or geo.heads)
     fits = heads is not None and heads <= geo.heads and geo.page in scores_launch.BLOCKS
@@ -874,10 +827,10 @@ class Report:
 
 class Run:
     """One configuration's models fed the same steps, compared after each:
-    ``stock`` (``SPECIALIZED_KPOOL = None``) and one or two stages. With two,
-    one leads each step and, per layer, between its indexer and conversion
-    the other's layer step runs and its pool buffer is poisoned: a stage that
-    read the other's buffer (or hand-off) differs from stock."""
+    ``stock`` and one or two stages. With two, one leads each step and, per
+    layer, between its indexer and conversion the other's layer step runs and
+    its pool buffer is poisoned: a stage that read the other's buffer (or
+    hand-off) differs from stock."""
 
     def __init__(self, cfg: Config, device, patch):
         if cfg.stages not in (1, 2) or (cfg.stages == 2 and cfg.mode != "eager"):
@@ -907,8 +860,7 @@ class Run:
         self.stream = torch.cuda.Stream(self.device) if cuda else None
 
     def setup(self, stack: contextlib.ExitStack, watch: bool = True) -> None:
-        """The stand-ins, the run's stream, then each stage side's stage
-        (``watch``: its launches counted; not while timing)."""
+        """The stand-ins, the run's stream, each stage (``watch``: spied)."""
         mx_scales(self.patch, self.sim.backend.mx)
         topk = contract_decode_topk if self.cfg.select else None
         # CUDA: a deterministic top-k; the kernel-only shim has no vLLM one.
@@ -995,7 +947,6 @@ class Run:
             self.stats["piecewise_replay"] += stage
 
     def interleave(self, other: Model, fwd, layer: int) -> None:
-        """``other``'s step of ``layer``, then its pool buffer poisoned."""
         with other.active(), override_forward_context(context(fwd)):
             other.forward_layer(fwd, layer)
         other.stage.pool_buffer.fill_(POISON)
@@ -1051,17 +1002,14 @@ class Run:
                     )
 
 
-# --- One step of one layer, for the CPU routing tests ---------------------------
-
-
 @dataclass
 class Step:
     """A decode step: ``q_lens[b]`` tokens of request ``b`` after ``ctx[b]``,
     in ``layout`` rows ("native": uniform, "varlen": a row per token
     (SM100), "padded": ``[B, max q_len]`` rows (SM90 non-uniform), "flat"),
-    ``pad_rows`` CUDA graph padding rows after the tokens, a ``prefill`` of
-    that many tokens after the decodes; the layer's top-k, buffer width,
-    key row stride, scale format and MLA block stride."""
+    ``pad_rows`` CUDA graph padding rows, a ``prefill`` of that many tokens
+    after the decodes; the rest: the layer's ``Geometry`` (``width``: its
+    ``buffer_width``, ``stride_rows``: its ``mla_block_rows``)."""
 
     q_lens: list[int]
     ctx: list[int]
@@ -1103,7 +1051,8 @@ class Step:
 class Bench:
     """One step of one DSA layer (CPU), from the same caches and inputs each
     time: ``run`` on the engine (its stage built, warmed up and spied) or
-    another model, ``stock`` on a fresh model of ``stock_module``."""
+    another model, ``stock`` on a fresh model of ``stock_module``. ``model``:
+    ``build_stage``'s options, the rest the engine ``Model``'s."""
 
     def __init__(
         self,
@@ -1141,8 +1090,8 @@ class Bench:
         self.sim.fill(self.fwd.rows)
 
     def run(self, model=None, *, mode=CUDAGraphMode.NONE, dummy_run=False, **options):
-        """``model`` (the engine) run on the step; ``options``:
-        ``Model.options``. Fails on a hand-off left pending."""
+        """``model`` (the engine) run on the step with ``options``; fails on a
+        hand-off left pending."""
         model = model or self.engine
         for caches, initial in ((model.kv, self.sim.kv), (model.tail, self.sim.tail)):
             for cache, init in zip(caches, initial, strict=True):
@@ -1160,6 +1109,5 @@ class Bench:
 
     @property
     def routes(self) -> list[str]:
-        """The timeline's routes: launches, stock fallbacks, hand-overs."""
         starts = ("kernel:", "stock:", "indexer:", "defer", "materialize")
         return [e for e in self.spies.timeline if e.startswith(starts)]
