@@ -73,12 +73,12 @@ def _scale(raw: torch.Tensor, mx: bool) -> torch.Tensor:
     return raw.contiguous().view(torch.float32).double().expand(*raw.shape[:-1], 4)
 
 
-def _logits(q, q_scale, weights, width: int, ends, gather, mx: bool):
+def _logits(q, q_scale, weights, width: int, ends, gather):
     """``sum_h w_h relu(q_h . k)`` of FP8 ``q [R, H, D]`` and the keys that
     ``gather(rows, cols)`` gives, in float64: each 32-wide block's dot product
     is exact whatever the order of its sums."""
-    rows, heads = q.shape[:2]
-    if q_scale is not None:
+    (rows, heads), mx = q.shape[:2], q_scale is not None
+    if mx:
         raw = q_scale.reshape(rows, heads).contiguous().view(torch.uint8)
         q_scale = _scale(raw.view(rows, heads, 4), True)
     cols = torch.arange(width, device=q.device)
@@ -90,7 +90,7 @@ def _logits(q, q_scale, weights, width: int, ends, gather, mx: bool):
         qb = q[sl].float().double().view(-1, heads, 4, D // 4)
         kb = keys.float().double().view(*keys.shape[:2], 4, D // 4)
         dots = torch.einsum("rhbd,rlbd->rhlb", qb, kb) * _scale(scales, mx)[:, None]
-        if q_scale is not None:
+        if mx:
             dots = dots * q_scale[sl][:, :, None]
         score = (torch.relu(dots.sum(-1)) * weights[sl].double()[:, :, None]).sum(1)
         out[sl] = torch.where(cols < ends[sl, None], score, PAST_END)
@@ -112,10 +112,9 @@ def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
         ids, slots = table[sl][:, cols // page].long(), cols % page
         return keys[ids, slots], scales[ids, slots]
 
-    width, mx, ends = kw["max_model_len"], q_scale is not None, lens.reshape(-1)
-    values = values.reshape(rows, -1, D)
-    out = _logits(values, q_scale, weights, width, ends[:rows], gather, mx)
-    dtype = kw.get("dtype") or (torch.bfloat16 if mx else torch.float32)
+    width, ends = kw["max_model_len"], lens.reshape(-1)[:rows]
+    out = _logits(values.reshape(rows, -1, D), q_scale, weights, width, ends, gather)
+    dtype = kw.get("dtype") or (torch.float32 if q_scale is None else torch.bfloat16)
     shape = (rows, width + kw.get("pad", 0))
     return torch.empty(shape, dtype=dtype, device=out.device)[:, :width].copy_(out)
 
@@ -130,9 +129,8 @@ def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
         ids = (ks[sl, None].long() + cols).clamp(max=max(len(k_values) - 1, 0))
         return k_values[ids], raw[ids]
 
-    mx = q_scale is not None
-    out = _logits(values, q_scale, weights, max_seqlen_k, ke - ks, gather, mx)
-    return out.to(torch.bfloat16 if mx else torch.float32)
+    out = _logits(values, q_scale, weights, max_seqlen_k, ke - ks, gather)
+    return out.to(torch.float32 if q_scale is None else torch.bfloat16)
 
 
 def deep_gemm_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
@@ -162,28 +160,24 @@ def stable_topk(logits, starts, ends, k: int) -> torch.Tensor:
     return torch.nn.functional.pad(ids, (0, k - ids.shape[1]), value=-1)
 
 
-def stable_decode_topk(backend=None):
-    """``get_indexer_topk(backend)`` as ``stable_topk``: deterministic, so
-    both sides pick the same ties (CUDA, the kernel-only shim)."""
-
-    def topk(logits, seq_lens, next_n, out, k, max_seq_len):
-        ends = seq_lens.reshape(-1)[: logits.shape[0]].to(torch.int32)
-        out.copy_(stable_topk(logits, torch.zeros_like(ends), ends, k))
-
-    return topk
+def _stable_decode_topk(logits, seq_lens, next_n, out, k, max_seq_len):
+    ends = seq_lens.reshape(-1)[: logits.shape[0]].to(torch.int32)
+    out.copy_(stable_topk(logits, torch.zeros_like(ends), ends, k))
 
 
-def contract_decode_topk(backend=None):
-    """``get_indexer_topk(backend)`` beside the select: ``contract_topk``'s
-    set, each row's ids reversed (stock's order is its own; rows compare as sets)."""
+def _contract_decode_topk(logits, seq_lens, next_n, out, k, max_seq_len):
+    ids = contract_topk(logits, seq_lens.reshape(-1).to(torch.int32), k)
+    last = (ids >= 0).sum(1, keepdim=True) - 1
+    flip = (last - torch.arange(k, device=ids.device)).clamp(min=0)
+    out.copy_(torch.where(ids >= 0, ids.gather(1, flip), -1))
 
-    def topk(logits, seq_lens, next_n, out, k, max_seq_len):
-        ids = contract_topk(logits, seq_lens.reshape(-1).to(torch.int32), k)
-        last = (ids >= 0).sum(1, keepdim=True) - 1
-        flip = (last - torch.arange(k, device=ids.device)).clamp(min=0)
-        out.copy_(torch.where(ids >= 0, ids.gather(1, flip), -1))
 
-    return topk
+# ``get_indexer_topk(backend)`` stand-ins: ``stable_topk``, deterministic, so
+# both sides pick the same ties (CUDA, the kernel-only shim); beside the
+# select, ``contract_topk``'s set with each row's ids reversed (stock's order
+# is its own; rows compare as sets).
+stable_decode_topk = lambda backend=None: _stable_decode_topk
+contract_decode_topk = lambda backend=None: _contract_decode_topk
 
 
 def _gather(kv_cache, dst_k, dst_scale, block_table, cu) -> None:
