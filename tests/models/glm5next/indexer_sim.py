@@ -33,9 +33,7 @@ from vllm.forward_context import (
     override_forward_context,
 )
 from vllm.model_executor.layers import sparse_attn_indexer as stock_layers
-from vllm.model_executor.layers.attention.sparse_mla_attention import (
-    SparseMLACommonImpl,
-)
+from vllm.model_executor.layers.attention import sparse_mla_attention
 from vllm.models.glm5next.nvidia import sparse_indexer
 from vllm.models.glm5next.nvidia.ops import kpool_compress as kpool_ops
 from vllm.models.glm5next.nvidia.specialized_decode import cases, kpool
@@ -64,6 +62,20 @@ STOCK_CONVERT = sparse_utils.triton_convert_req_index_to_global_index
 STOCK_MX = deep_gemm.mqa_logits_use_mx_scales
 KERNELS = dict(update=kpool.UPDATE, expand=kpool.EXPAND, remap=kpool.REMAP)
 KERNELS |= dict(upcast=kpool.UPCAST, select=kpool.SELECT, scores=scores_launch.SCORES)
+# The stock sparse MLA impl of each backend path (the stage tells backends
+# apart by their class's ``forward_mqa``).
+IMPLS = dict(
+    group=sparse_mla_attention.SparseMLACommonImpl,
+    group_no_counts=flashmla_sparse.FlashMLASparseImpl,
+    compute=fi_sm90.FlashInferMLASparseSM90Impl,
+)
+# What ``differences`` compares, in its order.
+FIELDS = ("index cache", "tail cache", "logical top-k", "physical top-k")
+FIELDS += ("counts", "pool ids")
+kernel_name = lambda key: next(
+    n for n, k in KERNELS.items() if isinstance(key, k.CompileKey)
+)
+ints = lambda shape, device: torch.full(shape, POISON, dtype=torch.int32, device=device)
 
 
 def _scale(raw: torch.Tensor, mx: bool) -> torch.Tensor:
@@ -259,10 +271,6 @@ class Fake:
         self.log.append(f"exit {self.name}")
 
 
-def kernel_name(key) -> str:
-    return next(n for n, k in KERNELS.items() if isinstance(key, k.CompileKey))
-
-
 def stock_convert(req_ids, table, logical, block, stride, counts, **out):
     sizes = dict(BLOCK_SIZE=block, BLOCK_STRIDE_ROWS=stride)
     sizes |= dict(NUM_TOPK_TOKENS=logical.shape[1], return_valid_counts=counts)
@@ -280,17 +288,13 @@ def twin(name: str, key, *args) -> None:
         out, offset = (rest[0], rest[1]) if name == "expand" else (rest[2], rest[4])
         logical = out if name == "expand" else torch.full_like(out, -1)
         lengths = lengths[: len(ids)]
-        if key.int32_lengths:
-            lengths = lengths.to(torch.int32)
+        lengths = lengths.to(torch.int32) if key.int32_lengths else lengths
         if len(ids):
             STOCK_EXPAND(ids, lengths, POOL, seq_offset=offset, out=logical[: len(ids)])
-        if name == "remap":
-            req_ids, table, out, counts, _ = rest
+        if name == "remap":  # rest: request ids, block table, out, counts, offset
+            valid = rest[3][: len(out)] if key.counts else None
             sizes = (key.block_size, key.stride_rows, key.counts)
-            valid = counts[: len(out)] if key.counts else None
-            stock_convert(
-                req_ids, table, logical, *sizes, out=out, valid_counts_out=valid
-            )
+            stock_convert(*rest[:2], logical, *sizes, out=out, valid_counts_out=valid)
     elif name == "upcast":
         logits, out, ends, _ = args
         below = torch.arange(logits.shape[1], device=logits.device) < ends[:, None]
@@ -326,10 +330,8 @@ class Spies:
     SM count is an H100's, and ``timeline`` gets every route and stream use."""
 
     def __init__(self, patch, timeline: list, compute: bool = True):
-        self.timeline, self.compute = timeline, compute
-        self.compiled: dict = {name: set() for name in KERNELS}
-        self.launched: dict = {name: set() for name in KERNELS}
-        self.launches: Counter = Counter()
+        self.timeline, self.compute, self.launches = timeline, compute, Counter()
+        self.compiled, self.launched = ({n: set() for n in KERNELS} for _ in "cl")
         if not compute:
             return
         for kernel in KERNELS.values():
@@ -381,19 +383,6 @@ class Spies:
             del stage.executors[key]
 
 
-# The stock sparse MLA impl of each backend path (the stage tells backends
-# apart by their class's ``forward_mqa``).
-IMPLS = dict(
-    group=SparseMLACommonImpl,
-    group_no_counts=flashmla_sparse.FlashMLASparseImpl,
-    compute=fi_sm90.FlashInferMLASparseSM90Impl,
-)
-
-
-def ints(shape, device) -> torch.Tensor:
-    return torch.full(shape, POISON, dtype=torch.int32, device=device)
-
-
 class Sim:
     """A configuration's initial caches (FP8 keys scaled ``2^-12 .. 2^-5``;
     MX: four equal UE8M0 bytes, as the update writes them), inputs, scheduler
@@ -408,19 +397,16 @@ class Sim:
         self.sched = batches.Scheduler(geo, work or Workload(), random.Random(seed))
         self.builder = batches.Builder(geo, backend, self.device, deep_gemm)
         dev, n, t, page = self.device, geo.layers, geo.max_tokens, geo.page
-        blocks = geo.num_blocks
         randn = lambda *shape: torch.randn(shape, generator=g, device=dev)
         self.kv = []
         for _ in range(n):
-            cache = torch.empty((blocks, page, D + 4), dtype=torch.uint8, device=dev)
-            flat = cache.view(blocks, -1)
-            fp8 = (randn(blocks, page * D) * 100).clamp(-448, 448)
-            flat[:, : page * D] = fp8.to(torch.float8_e4m3fn).view(torch.uint8)
-            e = torch.randint(-12, -4, (blocks, page), generator=g, device=dev)
+            fp8 = (randn(geo.num_blocks, page * D) * 100).clamp(-448, 448)
+            e = torch.randint(-12, -4, (geo.num_blocks, page), generator=g, device=dev)
             ue8m0 = (e + 127).to(torch.uint8).repeat_interleave(4, 1)
             fp32 = torch.pow(2.0, e.float()).view(torch.uint8)
-            flat[:, page * D :] = ue8m0 if backend.mx else fp32
-            self.kv.append(cache)
+            keys = fp8.to(torch.float8_e4m3fn).view(torch.uint8)
+            scales = ue8m0 if backend.mx else fp32
+            self.kv.append(torch.cat([keys, scales], 1).view(-1, page, D + 4))
         tail = (geo.max_reqs + 1, 2, geo.ring, D)
         self.tail = [randn(*tail).bfloat16() for _ in range(n)]
         self.ape = [randn(POOL, D) for _ in range(n)]
@@ -434,10 +420,9 @@ class Sim:
     def fill(self, rows: int) -> None:
         """Fresh inputs for ``rows`` rows (query and weight heads past the
         indexer's own zero, as vLLM pads them)."""
-        real = self.geo.index_heads or self.geo.heads
+        real, gen, dev = self.geo.index_heads or self.geo.heads, self.gen, self.device
         for name, x in vars(self.source).items():
-            shape, gen = x[:, :rows].shape, self.gen
-            values = torch.randn(shape, generator=gen, device=self.device)
+            values = torch.randn(x[:, :rows].shape, generator=gen, device=dev)
             if name in ("q", "w"):
                 values[:, :, real:] = 0
             x[:, :rows] = (values * (8 if name == "q" else 1)).to(x.dtype)
@@ -469,10 +454,10 @@ class Model:
         every_indexer = dict(topk_indices_buffer=self.buffer, topk_tokens=geo.topk)
         every_indexer |= dict(scale_fmt=geo.scale_fmt, max_pool_len=geo.max_pool_len)
         every_indexer["n_head"] = geo.index_heads or geo.heads
-
-        def event(name: str):  # the stock event on CUDA, a ``Fake`` on the CPU
-            return groups._create_event() if cuda else Fake(log, name)
-
+        event = lambda name: groups._create_event() if cuda else Fake(log, name)
+        # The MLA cache as bound: [blocks, block, row], blocks
+        # ``mla_block_rows`` rows apart (the fused remap's layout).
+        mla_shape = (geo.num_blocks, geo.mla_block_rows, 16)
         self.groups, self.inputs, self.snaps, self.attentions = [], [], [], []
         for layer, (k_prefix, tail_prefix, _) in enumerate(geo.prefixes):
             group = groups.SparseMLAIndexGroup(
@@ -493,11 +478,8 @@ class Model:
                 made = cls.__new__(cls)
                 state = dict(index_group=group, index_group_index=0, dcp_world_size=1)
                 vars(made).update(state)
-            # The MLA cache as bound: [blocks, block, row], blocks
-            # ``mla_block_rows`` rows apart (the fused remap's layout).
-            shape = (geo.num_blocks, geo.mla_block_rows, 16)
-            mla_kv = torch.empty(shape, dtype=torch.uint8, device=dev)[:, : geo.block]
-            mla_kv = mla_kv if bound else None
+            mla_kv = torch.empty(mla_shape, dtype=torch.uint8, device=dev)
+            mla_kv = mla_kv[:, : geo.block] if bound else None
             mla = NS(impl=impl(group) if impl else made, kv_cache=mla_kv)
             k_cache = NS(prefix=k_prefix, kv_cache=self.kv[layer])
             tail_cache = NS(prefix=tail_prefix, kv_cache=self.tail[layer])
@@ -521,16 +503,11 @@ class Model:
         self.forwards += 1  # the model's work after the last break (its head)
 
     def forward_layer(self, fwd, layer: int) -> None:
-        x, group = self.inputs[layer], self.groups[layer]
-        for name, buffer in vars(x).items():
+        for name, buffer in vars(self.inputs[layer]).items():
             buffer[: fwd.rows].copy_(getattr(self.sim.source, name)[layer, : fwd.rows])
-        for buffer in (
-            self.buffer,
-            group.physical_topk_indices,
-            group.valid_topk_counts,
-            *vars(self.snaps[layer]).values(),
-            *([self.stage.pool_buffer] if self.stage else []),
-        ):
+        group, pool = self.groups[layer], [self.stage.pool_buffer] if self.stage else []
+        written = (group.physical_topk_indices, group.valid_topk_counts, *pool)
+        for buffer in (self.buffer, *written, *vars(self.snaps[layer]).values()):
             buffer.fill_(POISON)
         self.layer_step(layer, fwd)
 
@@ -561,13 +538,9 @@ class Model:
         counts = o.get("counts", path != "group_no_counts")
         stride = o.get("block_stride_rows", self.sim.geo.mla_block_rows)
         if through:
-            out = group.convert_logical_to_physical_topk(
-                o.get("layer_index", 0),
-                logical,
-                mla,
-                block_stride_rows=stride,
-                return_valid_counts=counts,
-            )
+            args = (o.get("layer_index", 0), logical, mla)
+            sizes = dict(block_stride_rows=stride, return_valid_counts=counts)
+            out = group.convert_logical_to_physical_topk(*args, **sizes)
         else:
             req_ids, table = mla.req_id_per_token[:rows], mla.block_table
             out = stock_convert(req_ids, table, logical, mla.block_size, stride, counts)
@@ -649,11 +622,6 @@ def build_stage(
         assert stage.executors, "the stage's warmup compiled nothing"
 
 
-# What ``differences`` compares, in its order.
-FIELDS = ("index cache", "tail cache", "logical top-k", "physical top-k")
-FIELDS += ("counts", "pool ids")
-
-
 def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False):
     """Device flags (no sync), per ``FIELDS``: whether ``stage`` left other
     bytes than ``stock``; then whether it deferred, and whether no consumer
@@ -673,7 +641,7 @@ def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False)
             x, y = torch.sort(x, 1).values, torch.sort(y, 1).values
         return (x.view(torch.uint8) != y.view(torch.uint8)).any()
 
-    def strays(name: str):
+    def strays(name: str):  # bytes of either group's buffer past its rows
         found = []
         for model, snap in ((stock, a), (stage, b)):
             buffer = getattr(model.groups[layer], name)
@@ -702,10 +670,10 @@ def flags(stock: Model, where, tokens: int, sets=False) -> list[list[int]]:
 
 def mismatches(stock: Model, stage: Model, tokens: int, sets=False) -> list[str]:
     where = [(stage, i) for i in range(stage.sim.geo.layers)]
-    found = zip(where, flags(stock, where, tokens, sets), strict=True)
+    found = enumerate(flags(stock, where, tokens, sets))
     return [
         f"layer {i} {name}"
-        for (_, i), values in found
+        for i, values in found
         for name, differs in zip(FIELDS, values, strict=False)
         if differs
     ]
