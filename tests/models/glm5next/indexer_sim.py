@@ -697,15 +697,8 @@ REPORTS: list[str] = []  # every run's summary line, for the session's summary
 CPU_GEOMETRY = Geometry(
     layers=2, heads=4, topk=128, max_model_len=512, max_reqs=4, max_tokens=256
 )
-CPU_WORK = Workload(
-    decode_steps=5,
-    prompt=(120, 220),
-    output=(4, 40),
-    arrival=0.6,
-    nonuniform=0.5,
-    phase=1,
-    cached=(100, 200),
-)
+CPU_WORK = Workload(decode_steps=5, prompt=(120, 220), output=(4, 40), arrival=0.6)
+CPU_WORK = replace(CPU_WORK, nonuniform=0.5, phase=1, cached=(100, 200))
 # The opt-in scores' runs: GLM-5-Next's 16 heads as vLLM pads them to 32 for
 # DeepGEMM (the stage scores the 16), pages of 64 pools (256-token blocks;
 # DeepGEMM takes 32 or 64), MLA blocks laid further apart than their rows.
@@ -807,10 +800,8 @@ class Run:
         self.cfg, self.patch, self.device = cfg, patch, torch.device(device)
         cuda = self.device.type == "cuda"
         # CUDA, opted-in scores: stock's are DeepGEMM's (``deep_gemm_logits``).
-        scored, backend = cuda and cfg.scores, BACKENDS[cfg.backend]
-        self.sim = Sim(
-            cfg.geo, backend, device, cfg.seed, work=cfg.work, deep_gemm=scored
-        )
+        backend, work, scored = BACKENDS[cfg.backend], cfg.work, cuda and cfg.scores
+        self.sim = Sim(cfg.geo, backend, device, cfg.seed, work=work, deep_gemm=scored)
         names = ("stock", "stage", "stage 2")[: 1 + cfg.stages]
         self.sides = [Model(self.sim, name) for name in names]
         for side in self.sides:
@@ -881,32 +872,27 @@ class Run:
         graph = self.graphs.get(key)
         if how == "eager" or not self.cfg.capture:
             side.run(fwd, mode)
-        elif how == "full" and graph is None:
-            side.run(fwd, mode)  # the step itself, which warms up
-            graph = self.graphs[key] = torch.cuda.CUDAGraph()
-            with (
-                side.active(),
-                override_forward_context(context(fwd, mode)),
-                torch.cuda.graph(graph, pool=self.pool, stream=self.stream),
-            ):
+            return
+        if graph is None:
+            if how == "full":
+                side.run(fwd, mode)  # the step itself, which warms up
+                graph = torch.cuda.CUDAGraph()
+                capture = torch.cuda.graph(graph, pool=self.pool, stream=self.stream)
+            else:  # as vLLM captures: a profiling forward, whose breaks write nothing
+                graph = capture = breakable.BreakableCUDAGraphCapture(pool=self.pool)
+            self.graphs[key] = graph
+            forward = context(fwd, mode, "step" if how == "full" else None)
+            with side.active(), override_forward_context(forward), capture:
                 side.forward(fwd)
-            self.stats["full_capture"] += stage
-        elif how == "full":
+            self.stats[f"{how}_capture"] += stage
+            if how == "full":
+                return
+        if how == "full":
             graph.replay()
-            self.stats["full_replay"] += stage
         else:
-            if graph is None:
-                # Captured as vLLM captures: a profiling forward (no
-                # metadata), whose eager breaks write nothing.
-                graph = breakable.BreakableCUDAGraphCapture(pool=self.pool)
-                self.graphs[key] = graph
-                profiling = override_forward_context(context(fwd, mode, None))
-                with side.active(), profiling, graph:
-                    side.forward(fwd)
-                self.stats["piecewise_capture"] += stage
             with side.active(), override_forward_context(context(fwd, mode)):
                 graph.replay()
-            self.stats["piecewise_replay"] += stage
+        self.stats[f"{how}_replay"] += stage
 
     def interleave(self, other: Model, fwd, layer: int) -> None:
         with other.active(), override_forward_context(context(fwd)):
@@ -921,15 +907,9 @@ class Run:
         fwd = sim.builder.build(batch, rows=rows, **options)
         sim.fill(rows)
         sim.timeline.clear()
-        for name, counted in (
-            ("total", 1),
-            (batch.kind, 1),
-            ("decode_steps", batch.num_decodes > 0),
-            (f"mode {how}", 1),
-            (f"layout {fwd.layout}", 1),
-            (f"next_n {batch.next_n}", batch.num_decodes > 0),
-        ):
-            s[name] += counted
+        decodes = int(batch.num_decodes > 0)
+        s.update({"total": 1, batch.kind: 1, "decode_steps": decodes, f"mode {how}": 1})
+        s.update({f"layout {fwd.layout}": 1, f"next_n {batch.next_n}": decodes})
         ends = (i.start + i.q_len for i in batch.items)
         report.max_context = max(report.max_context, *ends)
         with override_forward_context(context(fwd)):
