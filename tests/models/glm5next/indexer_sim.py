@@ -973,17 +973,12 @@ class Step:
 
     def geometry(self) -> Geometry:
         longest = max(c + q for c, q in zip(self.ctx, self.q_lens, strict=True))
-        fields = ("topk", "key_stride", "scale_fmt", "first_layer", "block")
-        same = {name: getattr(self, name) for name in (*fields, "heads", "index_heads")}
-        return Geometry(
-            layers=1,
-            max_model_len=max(512, -(-longest // 64) * 64),
-            max_reqs=len(self.q_lens) + 2,
-            max_tokens=self.tokens + self.pad_rows + 4,
-            mla_block_rows=self.stride_rows,
-            buffer_width=self.width,
-            **same,
-        )
+        same = "topk key_stride scale_fmt first_layer block heads index_heads"
+        sizes = dict(layers=1, max_model_len=max(512, -(-longest // 64) * 64))
+        sizes |= dict(max_reqs=len(self.q_lens) + 2, mla_block_rows=self.stride_rows)
+        rows = self.tokens + self.pad_rows + 4
+        sizes |= dict(max_tokens=rows, buffer_width=self.width)
+        return Geometry(**sizes, **{name: getattr(self, name) for name in same.split()})
 
     def backend(self, mx: bool) -> Backend:
         other = "flat" if self.layout == "flat" else "padded"
@@ -997,19 +992,10 @@ class Bench:
     ``build_stage``'s options, the rest the engine ``Model``'s."""
 
     def __init__(
-        self,
-        spies: Spies,
-        step: Step,
-        stock_module=None,
-        *,
-        mx=False,
-        registry=None,
-        max_rows=None,
-        select=False,
-        scores=False,
-        warm=True,
-        **model,
+        self, spies, step, stock_module=None, *, mx=False, registry=None, **model
     ):
+        names = ("max_rows", "select", "scores", "warm")
+        staged = {name: model.pop(name) for name in names if name in model}
         geo, backend = step.geometry(), step.backend(mx)
         self.sim = Sim(geo, backend, "cpu", step.seed, spies.timeline)
         self.spies, self.stock_module, self.model = spies, stock_module, model
@@ -1017,8 +1003,7 @@ class Bench:
         self.use(step)
         self.engine = Model(self.sim, "stage", **model)
         self.registry = install.StageRegistry() if registry is None else registry
-        options = dict(max_rows=max_rows, select=select, scores=scores, warm=warm)
-        build_stage(self.engine, self.registry, **options)
+        build_stage(self.engine, self.registry, **staged)
         self.stage = self.engine.stage
         spies.watch(self.stage)
 
