@@ -1,24 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The indexer simulator's batches: a serving run's requests as GLM-5-Next's
-DSA layers see them (``Scheduler``) and each step's attention metadata as
-vLLM 0.33.0's own builders build it (``Builder``). Requests arrive (a
-random-walk concurrency target), some with a cached prefix, prefill in
-pool-aligned chunks (the stock kpool prefill write assumes it), decode
-``next_n`` tokens (1..spec+1 in phases, uniform or not, some drafts
-accepted: positions rewind) and finish, freeing their blocks."""
+"""The indexer simulator's batches: a serving run's requests (``Scheduler``)
+and each step's attention metadata as vLLM 0.33.0's builders build it
+(``Builder``). Prefills come in pool-aligned chunks (the stock kpool prefill
+write assumes it); decodes accept some of their drafts (positions rewind)."""
 
-import contextlib
-import random
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace as NS
 from unittest import mock
 
 import torch
 
-from vllm.model_executor.layers.attention.sparse_mla_attention import (
-    SparseMLACommonMetadata,
-)
+from vllm.model_executor.layers.attention import sparse_mla_attention
 from vllm.v1.attention.backends.mla import indexer as meta
 
 # The kernel-only shim (the GPU tier without vLLM) serves the metadata
@@ -59,10 +52,8 @@ class Geometry:
     num_blocks = property(lambda g: g.max_reqs * g.max_model_len // g.block + 1)
     # Decode rows: the index group's and the stage's buffers.
     capacity = property(lambda g: min(g.max_tokens, g.max_reqs * (g.spec + 1)))
-
-    @property
-    def width(self) -> int:  # get_sparse_topk_buffer_width
-        return self.buffer_width or -(-(self.topk + POOL - 1) // 128) * 128
+    # get_sparse_topk_buffer_width
+    width = property(lambda g: g.buffer_width or -(-(g.topk + POOL - 1) // 128) * 128)
 
     @property
     def prefixes(self) -> list[tuple[str, ...]]:
@@ -134,19 +125,18 @@ class Batch:
     kind = property(lambda b: kind_of(b.num_decodes, len(b.items)))
 
 
-def kind_of(decodes: int, requests: int) -> str:
-    return "decode" if decodes == requests else "mixed" if decodes else "prefill"
+kind_of = lambda d, reqs: "decode" if d == reqs else "mixed" if d else "prefill"
 
 
 class Scheduler:
-    """The request stream of one run (see the module docstring)."""
+    """Arrivals toward a random-walk concurrency target, some with a cached
+    prefix; ``next_n`` 1..spec+1 in phases, uniform or not."""
 
-    def __init__(self, geo: Geometry, work: Workload, rng: random.Random):
+    def __init__(self, geo: Geometry, work: Workload, rng):
         self.geo, self.work, self.rng = geo, work, rng
         self.free_blocks = list(range(geo.num_blocks - 1, 0, -1))
         rng.shuffle(self.free_blocks)
-        self.free_tails = list(range(geo.max_reqs, 0, -1))
-        self.running: list[Request] = []
+        self.free_tails, self.running = list(range(geo.max_reqs, 0, -1)), []
         self.target = rng.randint(1, geo.max_reqs)
         self.decode_steps = self.rids = 0
 
@@ -212,7 +202,6 @@ class Scheduler:
         return self.allocate(Batch(items, max(q_lens), len(q_lens)))
 
     def release(self, batch: Batch) -> None:
-        """Frees ``batch``'s requests' blocks and tail blocks."""
         for item in batch.items:
             self.free_blocks.extend(item.req.blocks)
             self.free_tails.append(item.req.tail)
@@ -240,26 +229,22 @@ MLA_COMMON += ("query_start_loc", "slot_mapping")
 
 
 class Builder:
-    """Per-step metadata for every DSA layer of ``geo``: the indexer's and
-    the tail's from vLLM's builders given a ``CommonAttentionMetadata`` in
-    persistent buffers, as the model runner lays it (captured graphs read
-    them); the sparse MLA metadata by hand. ``platform`` answers as the
-    path's GPU would: an H100's SM count, no DeepGEMM on the CPU (its
-    schedule op has no CPU kernel; the logits stand-ins do not read it).
-    Decode rows: ``varlen`` (SM100, a row per token), SM90 ``native``
-    (``[B, next_n]`` for 1, 2 or 4) or ``flat`` (a row per token). vLLM
-    0.33.0 never pads non-uniform decodes: ``padded``, the builder's own
-    ``requires_padding`` path, answers native for every ``next_n`` and splits
-    them with ``require_uniform=False``; with ``deep_gemm`` (DeepGEMM's SM90
+    """Per-step metadata of every DSA layer: the indexer's and the tail's by
+    vLLM's builders from a ``CommonAttentionMetadata`` in persistent buffers
+    (captured graphs read them), the sparse MLA metadata by hand. No DeepGEMM
+    on the CPU: its schedule op has no CPU kernel (the stand-ins do not read
+    it). vLLM 0.33.0 never pads non-uniform decodes: ``padded`` (the
+    builder's ``requires_padding`` path) answers native for every ``next_n``
+    and splits with ``require_uniform=False``; with ``deep_gemm`` (its SM90
     kernel takes ``next_n`` 1, 2 or 4) native only for those."""
 
     def __init__(self, geo: Geometry, backend: Backend, device, deep_gemm=False):
-        self.geo, self.backend, self.device = geo, backend, torch.device(device)
-        self.deep_gemm = deep_gemm
+        self.geo, self.backend, self.deep_gemm = geo, backend, deep_gemm
+        self.device = dev = torch.device(device)
         t, r, blocks = geo.max_tokens, geo.max_reqs, geo.max_model_len // geo.block
 
         def buf(*shape, dtype=torch.int32, fill=0):
-            return torch.full(shape, fill, dtype=dtype, device=self.device)
+            return torch.full(shape, fill, dtype=dtype, device=dev)
 
         self.positions, self.slots = (buf(t, dtype=torch.int64) for _ in "ps")
         self.tail_slots = buf(t, dtype=torch.int64, fill=-1)
@@ -292,13 +277,10 @@ class Builder:
         names = [list(n) for n in zip(*geo.prefixes, strict=True)]
         with self.platform():
             self.indexer = meta.DeepseekV32IndexerMetadataBuilder(
-                kv, names[0], config, self.device, block_table_width=blocks
+                kv, names[0], config, dev, block_table_width=blocks
             )
-            self.tail = meta.KpoolTailMetadataBuilder(
-                tail, names[1], config, self.device
-            )
+            self.tail = meta.KpoolTailMetadataBuilder(tail, names[1], config, dev)
 
-    @contextlib.contextmanager
     def platform(self):
         """The builders' platform answers for the backend path."""
         varlen, split = self.backend.varlen, meta.split_decodes_and_prefills
@@ -314,10 +296,7 @@ class Builder:
             answers["split_decodes_and_prefills"] = lambda common, **kw: split(
                 common, **kw | dict(require_uniform=False)
             )
-        with contextlib.ExitStack() as stack:
-            for name, value in answers.items():
-                stack.enter_context(mock.patch.object(meta, name, value))
-            yield
+        return mock.patch.multiple(meta, **answers)
 
     def native(self, next_n: int) -> bool:
         """``_supports_native_decode``: the backend path's answer."""
@@ -384,17 +363,13 @@ class Builder:
             rows_t = torch.tensor(rows, device=bt.device)
             table = out.table[: len(rows)].copy_(bt[rows_t])
             lens = self.put(out.lens, [1] * len(rows))
-        return meta.DeepSeekV32IndexerDecodeMetadata(
-            block_table=table,
-            seq_lens=values.floor_divide_(POOL),
-            decode_lens=lens,
-            requires_padding=native and min(d) != lmax,
-            schedule_metadata=out.schedule,
-            per_req_decode_lens=self.put(out.per_req, d),
-            write_max_decode_len=lmax,
-            decode_is_uniform=min(d) == lmax,
-            indices=self.put(out.indices, rows) if self.backend.varlen else None,
-        )
+        fields = dict(block_table=table, seq_lens=values.floor_divide_(POOL))
+        fields |= dict(decode_lens=lens, requires_padding=native and min(d) != lmax)
+        fields |= dict(schedule_metadata=out.schedule, write_max_decode_len=lmax)
+        fields |= dict(per_req_decode_lens=self.put(out.per_req, d))
+        fields |= dict(decode_is_uniform=min(d) == lmax)
+        fields["indices"] = self.put(out.indices, rows) if self.backend.varlen else None
+        return meta.DeepSeekV32IndexerDecodeMetadata(**fields)
 
     def laid_prefill(self, q, seq, decodes: int, bt):
         """One chunk over every prefill request (none without a pool)."""
@@ -435,7 +410,7 @@ class Builder:
         its ``q_len``, capture-time ``max_seq_len``, a key naming every host
         value (vLLM's ``q_len`` is fixed; this one cycles ``next_n``).
         ``tail_split="indexer"``: the tail metadata split as the indexer's."""
-        geo = self.geo
+        geo, b = self.geo, self.geo.block
         q_pad = batch.items[0].q_len if full else 0
         items = [(i.start, i.q_len, i.req) for i in batch.items]
         items += [(0, q_pad, None)] * pad_reqs
@@ -443,7 +418,7 @@ class Builder:
         tokens, reqs = sum(q_lens), len(items)
         seq_lens = [s + q for s, q, _ in items]  # padding: q_pad tokens, no more
         positions, slots, req_ids = [], [], []
-        table = torch.zeros(reqs, geo.max_model_len // geo.block, dtype=torch.int32)
+        table = torch.zeros(reqs, geo.max_model_len // b, dtype=torch.int32)
         tails = torch.zeros(reqs, 1, dtype=torch.int32)
         for index, (start, q, req) in enumerate(items):
             req_ids += [index] * q
@@ -452,9 +427,8 @@ class Builder:
                 continue
             table[index, : len(req.blocks)] = torch.tensor(req.blocks)
             tails[index, 0] = req.tail
-            for pos in range(start, start + q):
-                positions.append(pos)
-                slots.append(req.blocks[pos // geo.block] * geo.block + pos % geo.block)
+            positions += range(start, start + q)
+            slots += [req.blocks[p // b] * b + p % b for p in range(start, start + q)]
         cu = [sum(q_lens[:i]) for i in range(reqs + 1)]
         max_seq = geo.max_model_len if full else max(seq_lens)
         common = CommonAttentionMetadata(
@@ -485,7 +459,7 @@ class Builder:
         mla = {name: getattr(common, name) for name in MLA_COMMON}
         mla |= {name: split[name] for name in SPLIT[:3]}
         mla |= dict(block_size=geo.block, topk_tokens=geo.topk)
-        mla = SparseMLACommonMetadata(
+        mla = sparse_mla_attention.SparseMLACommonMetadata(
             **mla, block_table=common.block_table_tensor, req_id_per_token=self.req_ids
         )
         metadata = {}

@@ -1,14 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The indexer simulator: GLM-5-Next's patched ``sparse_attn_indexer_kpool``
-and the sparse MLA top-k conversion as serving runs them, the ``dsa_kpool``
-stage against stock, every byte a step leaves: ``Run`` step after step
-(eager, FULL and piecewise graphs, two stages, streams held back), ``Bench``
-one step of one layer (the CPU routing tests); metadata from
-``indexer_batches``. DeepGEMM's scores are the simulator's own (vLLM's torch
-ones take no MX or query scales, read a ``next_n > 1`` cache per token and
-give ``-inf`` past a row's end: ``PAST_END`` here, which a top-k that read
-it would pick)."""
+"""The indexer simulator: the ``dsa_kpool`` stage against stock, every byte
+a step of ``sparse_attn_indexer_kpool`` and its top-k conversion leaves:
+``Run`` step after step (eager, FULL and piecewise graphs, two stages,
+streams held back), ``Bench`` one step of one layer (the CPU routing tests).
+DeepGEMM's scores are the simulator's own: vLLM's torch ones take no MX or
+query scales, read a ``next_n > 1`` cache per token and give ``-inf`` past a
+row's end (``PAST_END`` here, which a top-k that read it would pick)."""
 
 import contextlib
 import importlib.util
@@ -35,9 +33,7 @@ from vllm.forward_context import (
     override_forward_context,
 )
 from vllm.model_executor.layers import sparse_attn_indexer as stock_layers
-from vllm.model_executor.layers.attention.sparse_mla_attention import (
-    SparseMLACommonImpl,
-)
+from vllm.model_executor.layers.attention import sparse_mla_attention
 from vllm.models.glm5next.nvidia import sparse_indexer
 from vllm.models.glm5next.nvidia.ops import kpool_compress as kpool_ops
 from vllm.models.glm5next.nvidia.specialized_decode import cases, kpool
@@ -66,8 +62,20 @@ STOCK_CONVERT = sparse_utils.triton_convert_req_index_to_global_index
 STOCK_MX = deep_gemm.mqa_logits_use_mx_scales
 KERNELS = dict(update=kpool.UPDATE, expand=kpool.EXPAND, remap=kpool.REMAP)
 KERNELS |= dict(upcast=kpool.UPCAST, select=kpool.SELECT, scores=scores_launch.SCORES)
-
-# --- References --------------------------------------------------------------
+# The stock sparse MLA impl of each backend path (the stage tells backends
+# apart by their class's ``forward_mqa``).
+IMPLS = dict(
+    group=sparse_mla_attention.SparseMLACommonImpl,
+    group_no_counts=flashmla_sparse.FlashMLASparseImpl,
+    compute=fi_sm90.FlashInferMLASparseSM90Impl,
+)
+# What ``differences`` compares, in its order.
+FIELDS = ("index cache", "tail cache", "logical top-k", "physical top-k")
+FIELDS += ("counts", "pool ids")
+kernel_name = lambda key: next(
+    n for n, k in KERNELS.items() if isinstance(key, k.CompileKey)
+)
+ints = lambda shape, device: torch.full(shape, POISON, dtype=torch.int32, device=device)
 
 
 def _scale(raw: torch.Tensor, mx: bool) -> torch.Tensor:
@@ -77,13 +85,12 @@ def _scale(raw: torch.Tensor, mx: bool) -> torch.Tensor:
     return raw.contiguous().view(torch.float32).double().expand(*raw.shape[:-1], 4)
 
 
-def _logits(q, q_scale, weights, width: int, ends, gather, mx: bool):
-    """``[R, width]`` float64 ``sum_h w_h relu(q_h . k)`` of FP8 ``q [R, H,
-    D]`` (MX ``q_scale``, or None: FP32 scales folded into the weights) and
-    the keys ``gather(rows, cols)`` gives (FP8, scale bytes): each 32-wide
-    block's dot product is exact in float64 whatever the order of its sums."""
-    rows, heads = q.shape[:2]
-    if q_scale is not None:
+def _logits(q, q_scale, weights, width: int, ends, gather):
+    """``sum_h w_h relu(q_h . k)`` of FP8 ``q [R, H, D]`` and the keys that
+    ``gather(rows, cols)`` gives, in float64: each 32-wide block's dot product
+    is exact whatever the order of its sums."""
+    (rows, heads), mx = q.shape[:2], q_scale is not None
+    if mx:
         raw = q_scale.reshape(rows, heads).contiguous().view(torch.uint8)
         q_scale = _scale(raw.view(rows, heads, 4), True)
     cols = torch.arange(width, device=q.device)
@@ -95,7 +102,7 @@ def _logits(q, q_scale, weights, width: int, ends, gather, mx: bool):
         qb = q[sl].float().double().view(-1, heads, 4, D // 4)
         kb = keys.float().double().view(*keys.shape[:2], 4, D // 4)
         dots = torch.einsum("rhbd,rlbd->rhlb", qb, kb) * _scale(scales, mx)[:, None]
-        if q_scale is not None:
+        if mx:
             dots = dots * q_scale[sl][:, :, None]
         score = (torch.relu(dots.sum(-1)) * weights[sl].double()[:, :, None]).sum(1)
         out[sl] = torch.where(cols < ends[sl, None], score, PAST_END)
@@ -103,11 +110,9 @@ def _logits(q, q_scale, weights, width: int, ends, gather, mx: bool):
 
 
 def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
-    """DeepGEMM's ``fp8_fp4_paged_mqa_logits``: ``q = (values [B, next_n, H,
-    D], MX scales or None)``, ``kv_cache [blocks, page, D + 4]`` uint8 (a
-    page's values, then its scales), ``lens [B, next_n]`` in pools, ``tables``
-    per request or per row; BF16 logits with MX scales (SM100), else FP32
-    (``dtype`` overrides; ``pad``: row stride past ``max_model_len``)."""
+    """DeepGEMM's ``fp8_fp4_paged_mqa_logits`` (``tables`` per request or per
+    row): BF16 logits with MX scales (SM100), else FP32; ``dtype`` overrides,
+    ``pad`` widens the row stride past ``max_model_len``."""
     values, q_scale = q
     rows, (blocks, page) = values.shape[0] * values.shape[1], kv_cache.shape[:2]
     flat = kv_cache.reshape(blocks, -1)
@@ -119,17 +124,16 @@ def paged_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
         ids, slots = table[sl][:, cols // page].long(), cols % page
         return keys[ids, slots], scales[ids, slots]
 
-    width, mx, ends = kw["max_model_len"], q_scale is not None, lens.reshape(-1)
-    values = values.reshape(rows, -1, D)
-    out = _logits(values, q_scale, weights, width, ends[:rows], gather, mx)
-    dtype = kw.get("dtype") or (torch.bfloat16 if mx else torch.float32)
+    width, ends = kw["max_model_len"], lens.reshape(-1)[:rows]
+    out = _logits(values.reshape(rows, -1, D), q_scale, weights, width, ends, gather)
+    dtype = kw.get("dtype") or (torch.float32 if q_scale is None else torch.bfloat16)
     shape = (rows, width + kw.get("pad", 0))
     return torch.empty(shape, dtype=dtype, device=out.device)[:, :width].copy_(out)
 
 
 def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
-    """DeepGEMM's ``fp8_fp4_mqa_logits`` (prefill): row ``i`` scores keys
-    ``[ks[i], ke[i])`` of ``kv = (values [N, D], scales [N])`` from column 0."""
+    """DeepGEMM's ``fp8_fp4_mqa_logits``: row ``i`` scores keys ``[ks[i],
+    ke[i])`` from column 0."""
     (values, q_scale), (k_values, k_scales) = q, kv
     raw = k_scales.contiguous().view(torch.uint8).view(-1, 4)
 
@@ -137,16 +141,13 @@ def ragged_logits(q, kv, weights, ks, ke, max_seqlen_k):
         ids = (ks[sl, None].long() + cols).clamp(max=max(len(k_values) - 1, 0))
         return k_values[ids], raw[ids]
 
-    mx = q_scale is not None
-    out = _logits(values, q_scale, weights, max_seqlen_k, ke - ks, gather, mx)
-    return out.to(torch.bfloat16 if mx else torch.float32)
+    out = _logits(values, q_scale, weights, max_seqlen_k, ke - ks, gather)
+    return out.to(torch.float32 if q_scale is None else torch.bfloat16)
 
 
 def deep_gemm_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
-    """DeepGEMM's own ``fp8_fp4_paged_mqa_logits`` (SM90: FP32 scales, no
-    ``indices``) with its schedule for this GPU (the kernel-only shim's laid
-    metadata carries none): on CUDA, the stock scores ``kpool_scores`` is
-    compared with."""
+    """DeepGEMM's own SM90 paged logits with its schedule for this GPU (the
+    kernel-only shim's metadata has none): what ``kpool_scores`` matches."""
     if q[1] is not None or kw.get("indices") is not None:
         raise ValueError("deep_gemm_logits: SM90's call (no MX scales, no indices)")
     arguments = dict(q=q, kv_cache=kv_cache, weights=weights, seq_lens=lens)
@@ -162,7 +163,7 @@ def deep_gemm_logits(q, kv_cache, weights, lens, tables, schedule=None, **kw):
 
 def stable_topk(logits, starts, ends, k: int) -> torch.Tensor:
     """The ``k`` best columns of each row in ``[starts, ends)``, ties to the
-    lower column (a stable descending sort), -1 past the valid ones."""
+    lower column, -1 past the valid ones."""
     cols = torch.arange(logits.shape[1], device=logits.device)
     valid = (cols >= starts[:, None]) & (cols < ends[:, None])
     scores = logits.float().masked_fill(~valid, float("-inf"))
@@ -171,33 +172,28 @@ def stable_topk(logits, starts, ends, k: int) -> torch.Tensor:
     return torch.nn.functional.pad(ids, (0, k - ids.shape[1]), value=-1)
 
 
-def stable_decode_topk(backend=None):
-    """``get_indexer_topk(backend)`` as ``stable_topk``: deterministic, so
-    both sides pick the same ties (CUDA, the kernel-only shim)."""
-
-    def topk(logits, seq_lens, next_n, out, k, max_seq_len):
-        ends = seq_lens.reshape(-1)[: logits.shape[0]].to(torch.int32)
-        out.copy_(stable_topk(logits, torch.zeros_like(ends), ends, k))
-
-    return topk
+def _stable_decode_topk(logits, seq_lens, next_n, out, k, max_seq_len):
+    ends = seq_lens.reshape(-1)[: logits.shape[0]].to(torch.int32)
+    out.copy_(stable_topk(logits, torch.zeros_like(ends), ends, k))
 
 
-def contract_decode_topk(backend=None):
-    """``get_indexer_topk(backend)`` beside the select: ``contract_topk``'s
-    set, each row's ids reversed (stock's order is its own; rows compare as sets)."""
+def _contract_decode_topk(logits, seq_lens, next_n, out, k, max_seq_len):
+    ids = contract_topk(logits, seq_lens.reshape(-1).to(torch.int32), k)
+    last = (ids >= 0).sum(1, keepdim=True) - 1
+    flip = (last - torch.arange(k, device=ids.device)).clamp(min=0)
+    out.copy_(torch.where(ids >= 0, ids.gather(1, flip), -1))
 
-    def topk(logits, seq_lens, next_n, out, k, max_seq_len):
-        ids = contract_topk(logits, seq_lens.reshape(-1).to(torch.int32), k)
-        last = (ids >= 0).sum(1, keepdim=True) - 1
-        flip = (last - torch.arange(k, device=ids.device)).clamp(min=0)
-        out.copy_(torch.where(ids >= 0, ids.gather(1, flip), -1))
 
-    return topk
+# ``get_indexer_topk(backend)`` stand-ins: ``stable_topk``, deterministic, so
+# both sides pick the same ties (CUDA, the kernel-only shim); beside the
+# select, ``contract_topk``'s set with each row's ids reversed (stock's order
+# is its own; rows compare as sets).
+stable_decode_topk = lambda backend=None: _stable_decode_topk
+contract_decode_topk = lambda backend=None: _contract_decode_topk
 
 
 def _gather(kv_cache, dst_k, dst_scale, block_table, cu) -> None:
-    """``cp_gather_indexer_k_quant_cache``: each request's first ``cu[b+1] -
-    cu[b]`` cache entries, in order, into ``dst_k [N, D]``, ``dst_scale``."""
+    """``cp_gather_indexer_k_quant_cache``: each request's first entries."""
     blocks, page = kv_cache.shape[:2]
     flat = kv_cache.reshape(blocks, -1)
     lens, total = (cu[1:] - cu[:-1]).long(), int(cu[-1])
@@ -222,9 +218,8 @@ Workspace.get_simultaneous = lambda *specs: [
 
 
 def references(patch, modules, device, logits=paged_logits, topk=None) -> None:
-    """The stand-ins in each indexer module of ``modules`` and in the stage
-    module (``topk``, when given, as ``get_indexer_topk``); the prefill
-    top-k op where vLLM's compiled ``_C`` is absent."""
+    """The stand-ins in the indexer ``modules`` and the stage (``topk`` as
+    ``get_indexer_topk``); the prefill top-k op where vLLM's ``_C`` is absent."""
     if not (_LIBRARY or hasattr(torch.ops._C, "top_k_per_row_prefill")) and (
         importlib.util.find_spec("vllm._C") is None
     ):
@@ -250,20 +245,15 @@ def references(patch, modules, device, logits=paged_logits, topk=None) -> None:
 
 
 def mx_scales(patch, flag: bool, *modules) -> None:
-    """``mqa_logits_use_mx_scales()`` answers ``flag`` in every module that
-    imported it and in ``modules`` (e.g. a stock indexer loaded by path)."""
+    """``mqa_logits_use_mx_scales()`` answers ``flag`` wherever imported."""
     vllm = [m for n, m in list(sys.modules.items()) if n.partition(".")[0] == "vllm"]
     for module in [*vllm, *modules]:
         if getattr(module, "mqa_logits_use_mx_scales", None) is STOCK_MX:
             patch.setattr(module, "mqa_logits_use_mx_scales", lambda: flag)
 
 
-# --- Kernels: stock twins and spies --------------------------------------------
-
-
 class Fake:
-    """A CUDA stream or event on the CPU: each use (``wait_event``,
-    ``record``, ...) logged with the names of its arguments."""
+    """A CUDA stream or event on the CPU: each use logged."""
 
     def __init__(self, log: list, name: str):
         self.log, self.name = log, name
@@ -281,12 +271,7 @@ class Fake:
         self.log.append(f"exit {self.name}")
 
 
-def kernel_name(key) -> str:
-    return next(n for n, k in KERNELS.items() if isinstance(key, k.CompileKey))
-
-
 def stock_convert(req_ids, table, logical, block, stride, counts, **out):
-    """Stock's conversion of ``logical`` top-k rows to physical MLA rows."""
     sizes = dict(BLOCK_SIZE=block, BLOCK_STRIDE_ROWS=stride)
     sizes |= dict(NUM_TOPK_TOKENS=logical.shape[1], return_valid_counts=counts)
     return STOCK_CONVERT(req_ids, table, logical, **sizes, **out)
@@ -303,17 +288,13 @@ def twin(name: str, key, *args) -> None:
         out, offset = (rest[0], rest[1]) if name == "expand" else (rest[2], rest[4])
         logical = out if name == "expand" else torch.full_like(out, -1)
         lengths = lengths[: len(ids)]
-        if key.int32_lengths:
-            lengths = lengths.to(torch.int32)
+        lengths = lengths.to(torch.int32) if key.int32_lengths else lengths
         if len(ids):
             STOCK_EXPAND(ids, lengths, POOL, seq_offset=offset, out=logical[: len(ids)])
-        if name == "remap":
-            req_ids, table, out, counts, _ = rest
+        if name == "remap":  # rest: request ids, block table, out, counts, offset
+            valid = rest[3][: len(out)] if key.counts else None
             sizes = (key.block_size, key.stride_rows, key.counts)
-            valid = counts[: len(out)] if key.counts else None
-            stock_convert(
-                req_ids, table, logical, *sizes, out=out, valid_counts_out=valid
-            )
+            stock_convert(*rest[:2], logical, *sizes, out=out, valid_counts_out=valid)
     elif name == "upcast":
         logits, out, ends, _ = args
         below = torch.arange(logits.shape[1], device=logits.device) < ends[:, None]
@@ -331,8 +312,7 @@ def twin(name: str, key, *args) -> None:
 
 
 def any_device(names, *tensors, optional=()) -> None:
-    """``host.check_devices`` that takes CPU tensors: each a tensor (None
-    only where ``optional``), all on one device."""
+    """``host.check_devices`` that takes CPU tensors."""
     first = None
     for name, tensor in zip(names, tensors, strict=True):
         if tensor is None and name in optional:
@@ -345,18 +325,13 @@ def any_device(names, *tensors, optional=()) -> None:
 
 
 class Spies:
-    """The stage's launches as ``watch`` wraps them: each records
-    ``kernel:<name>`` and its key (``launched``, ``launches``). With
-    ``compute`` (the CPU) the stock twin writes what the executor would, CPU
-    tensors pass ``check_devices``, the SM count is an H100's, and
-    ``timeline`` gets every route (``stock:<name>`` fallbacks, ``indexer:
-    expand``, ``defer``, materializations, the fake streams)."""
+    """The stage's launches as ``watch`` wraps them. With ``compute`` (the
+    CPU) the stock twin writes what the executor would, CPU tensors pass, the
+    SM count is an H100's, and ``timeline`` gets every route and stream use."""
 
     def __init__(self, patch, timeline: list, compute: bool = True):
-        self.timeline, self.compute = timeline, compute
-        self.compiled: dict = {name: set() for name in KERNELS}
-        self.launched: dict = {name: set() for name in KERNELS}
-        self.launches: Counter = Counter()
+        self.timeline, self.compute, self.launches = timeline, compute, Counter()
+        self.compiled, self.launched = ({n: set() for n in KERNELS} for _ in "cl")
         if not compute:
             return
         for kernel in KERNELS.values():
@@ -387,7 +362,6 @@ class Spies:
         return wrapper
 
     def watch(self, stage) -> None:
-        """Wraps ``stage``'s compiled executors, hand-overs, materializations."""
         for key, executor in list(stage.executors.items()):
             name = kernel_name(key)
             self.compiled[name].add(key)
@@ -409,26 +383,10 @@ class Spies:
             del stage.executors[key]
 
 
-# --- One engine's DSA layers ---------------------------------------------------
-
-# The stock sparse MLA impl of each backend path (the stage tells backends
-# apart by their class's ``forward_mqa``).
-IMPLS = dict(
-    group=SparseMLACommonImpl,
-    group_no_counts=flashmla_sparse.FlashMLASparseImpl,
-    compute=fi_sm90.FlashInferMLASparseSM90Impl,
-)
-
-
-def ints(shape, device) -> torch.Tensor:
-    return torch.full(shape, POISON, dtype=torch.int32, device=device)
-
-
 class Sim:
-    """One configuration: geometry, backend path, device, the initial caches
-    (FP8 keys scaled ``2^-12 .. 2^-5``; MX: four equal UE8M0 bytes, as the
-    update writes them), the inputs every model reads, the scheduler and the
-    metadata builder (``deep_gemm``: the rows DeepGEMM's own scores take)."""
+    """A configuration's initial caches (FP8 keys scaled ``2^-12 .. 2^-5``;
+    MX: four equal UE8M0 bytes, as the update writes them), inputs, scheduler
+    and metadata builder (``deep_gemm``: the rows DeepGEMM's scores take)."""
 
     def __init__(
         self, geo, backend, device, seed: int, timeline=None, work=None, deep_gemm=False
@@ -439,19 +397,16 @@ class Sim:
         self.sched = batches.Scheduler(geo, work or Workload(), random.Random(seed))
         self.builder = batches.Builder(geo, backend, self.device, deep_gemm)
         dev, n, t, page = self.device, geo.layers, geo.max_tokens, geo.page
-        blocks = geo.num_blocks
         randn = lambda *shape: torch.randn(shape, generator=g, device=dev)
         self.kv = []
         for _ in range(n):
-            cache = torch.empty((blocks, page, D + 4), dtype=torch.uint8, device=dev)
-            flat = cache.view(blocks, -1)
-            fp8 = (randn(blocks, page * D) * 100).clamp(-448, 448)
-            flat[:, : page * D] = fp8.to(torch.float8_e4m3fn).view(torch.uint8)
-            e = torch.randint(-12, -4, (blocks, page), generator=g, device=dev)
+            fp8 = (randn(geo.num_blocks, page * D) * 100).clamp(-448, 448)
+            e = torch.randint(-12, -4, (geo.num_blocks, page), generator=g, device=dev)
             ue8m0 = (e + 127).to(torch.uint8).repeat_interleave(4, 1)
             fp32 = torch.pow(2.0, e.float()).view(torch.uint8)
-            flat[:, page * D :] = ue8m0 if backend.mx else fp32
-            self.kv.append(cache)
+            keys = fp8.to(torch.float8_e4m3fn).view(torch.uint8)
+            scales = ue8m0 if backend.mx else fp32
+            self.kv.append(torch.cat([keys, scales], 1).view(-1, page, D + 4))
         tail = (geo.max_reqs + 1, 2, geo.ring, D)
         self.tail = [randn(*tail).bfloat16() for _ in range(n)]
         self.ape = [randn(POOL, D) for _ in range(n)]
@@ -463,25 +418,23 @@ class Sim:
         )
 
     def fill(self, rows: int) -> None:
-        """Fresh random inputs for ``rows`` rows of every layer (the query's
-        and weights' heads past the indexer's own zero, as vLLM pads them)."""
-        real = self.geo.index_heads or self.geo.heads
+        """Fresh inputs for ``rows`` rows (query and weight heads past the
+        indexer's own zero, as vLLM pads them)."""
+        real, gen, dev = self.geo.index_heads or self.geo.heads, self.gen, self.device
         for name, x in vars(self.source).items():
-            shape, gen = x[:, :rows].shape, self.gen
-            values = torch.randn(shape, generator=gen, device=self.device)
+            values = torch.randn(x[:, :rows].shape, generator=gen, device=dev)
             if name in ("q", "w"):
                 values[:, :, real:] = 0
             x[:, :rows] = (values * (8 if name == "q" else 1)).to(x.dtype)
 
 
 class Model:
-    """One engine's DSA layers on ``sim``: ``module`` the indexer it runs,
-    ``kpool`` its ``SPECIALIZED_KPOOL`` (None: stock), ``options`` how it
-    converts (``counts``, ``layer_index``, ``block_stride_rows``, ``consume(
-    model, layer, logical, mla)``), ``hold`` GPU cycles a stream is held back
-    at a hand-off, ``between(layer)`` what runs between a layer's indexer and
-    its conversion. Per layer an index group (decode rows + 1) and ``snaps``:
-    what its consumer saw (``flags``: deferred, the rows converted)."""
+    """One engine's DSA layers: ``module`` the indexer it runs, ``kpool`` its
+    ``SPECIALIZED_KPOOL`` (None: stock), ``options`` how it converts
+    (``counts``, ``layer_index``, ``block_stride_rows``, ``consume``), ``hold``
+    GPU cycles a stream is held back at a hand-off, ``between(layer)`` what
+    runs between a layer's indexer and conversion; per layer an index group
+    and ``snaps``: what its consumer saw (``flags``: deferred, rows converted)."""
 
     def __init__(
         self, sim: Sim, name: str, *, module=None, impl=None, capacity=None, bound=True
@@ -501,10 +454,10 @@ class Model:
         every_indexer = dict(topk_indices_buffer=self.buffer, topk_tokens=geo.topk)
         every_indexer |= dict(scale_fmt=geo.scale_fmt, max_pool_len=geo.max_pool_len)
         every_indexer["n_head"] = geo.index_heads or geo.heads
-
-        def event(name: str):  # the stock event on CUDA, a ``Fake`` on the CPU
-            return groups._create_event() if cuda else Fake(log, name)
-
+        event = lambda name: groups._create_event() if cuda else Fake(log, name)
+        # The MLA cache as bound: [blocks, block, row], blocks
+        # ``mla_block_rows`` rows apart (the fused remap's layout).
+        mla_shape = (geo.num_blocks, geo.mla_block_rows, 16)
         self.groups, self.inputs, self.snaps, self.attentions = [], [], [], []
         for layer, (k_prefix, tail_prefix, _) in enumerate(geo.prefixes):
             group = groups.SparseMLAIndexGroup(
@@ -525,11 +478,8 @@ class Model:
                 made = cls.__new__(cls)
                 state = dict(index_group=group, index_group_index=0, dcp_world_size=1)
                 vars(made).update(state)
-            # The MLA cache as bound: [blocks, block, row], blocks
-            # ``mla_block_rows`` rows apart (the fused remap's layout).
-            shape = (geo.num_blocks, geo.mla_block_rows, 16)
-            mla_kv = torch.empty(shape, dtype=torch.uint8, device=dev)[:, : geo.block]
-            mla_kv = mla_kv if bound else None
+            mla_kv = torch.empty(mla_shape, dtype=torch.uint8, device=dev)
+            mla_kv = mla_kv[:, : geo.block] if bound else None
             mla = NS(impl=impl(group) if impl else made, kv_cache=mla_kv)
             k_cache = NS(prefix=k_prefix, kv_cache=self.kv[layer])
             tail_cache = NS(prefix=tail_prefix, kv_cache=self.tail[layer])
@@ -538,41 +488,31 @@ class Model:
             self.attentions.append(NS(indexer=indexer, mla_attn=NS(mla_attn=mla)))
 
     def active(self):
-        """This model's ``SPECIALIZED_KPOOL`` in its indexer module."""
         kpool, module = self.kpool, self.module
         return mock.patch.object(module, "SPECIALIZED_KPOOL", kpool, create=True)
 
     def run(self, fwd, mode=CUDAGraphMode.NONE, dummy_run=False):
-        """One forward of ``fwd`` in a fresh forward context."""
         forward = context(fwd, mode, dummy_run=dummy_run)
         with self.active(), override_forward_context(forward):
             self.forward(fwd)
         return self
 
     def forward(self, fwd) -> None:
-        """Every DSA layer's step (the indexer and conversion: eager breaks)."""
         for layer in range(self.sim.geo.layers):
             self.forward_layer(fwd, layer)
         self.forwards += 1  # the model's work after the last break (its head)
 
     def forward_layer(self, fwd, layer: int) -> None:
-        """The layer's inputs copied in, what it writes poisoned, its step."""
-        x, group = self.inputs[layer], self.groups[layer]
-        for name, buffer in vars(x).items():
+        for name, buffer in vars(self.inputs[layer]).items():
             buffer[: fwd.rows].copy_(getattr(self.sim.source, name)[layer, : fwd.rows])
-        for buffer in (
-            self.buffer,
-            group.physical_topk_indices,
-            group.valid_topk_counts,
-            *vars(self.snaps[layer]).values(),
-            *([self.stage.pool_buffer] if self.stage else []),
-        ):
+        group, pool = self.groups[layer], [self.stage.pool_buffer] if self.stage else []
+        written = (group.physical_topk_indices, group.valid_topk_counts, *pool)
+        for buffer in (self.buffer, *written, *vars(self.snaps[layer]).values()):
             buffer.fill_(POISON)
         self.layer_step(layer, fwd)
 
     def layer_step(self, layer: int, fwd) -> None:
-        """The layer's indexer, its ready event, then the conversion (the
-        unit ``tools/indexer_steps.py --time`` times)."""
+        """The unit ``tools/indexer_steps.py --time`` times."""
         index(self, layer, fwd)
         self.groups[layer].set_logical_topk_ready(0)
         if self.record:
@@ -582,8 +522,7 @@ class Model:
         consume(self, layer)
 
     def convert(self, layer: int, logical, mla):
-        """The top-k conversion as the backend path's ``forward_mqa`` makes
-        it: (physical rows, counts or None)."""
+        """As the backend path's ``forward_mqa`` converts: (rows, counts or None)."""
         o, group, rows = self.options, self.groups[layer], logical.shape[0]
         if "consume" in o:
             return o["consume"](self, layer, logical, mla)
@@ -599,13 +538,9 @@ class Model:
         counts = o.get("counts", path != "group_no_counts")
         stride = o.get("block_stride_rows", self.sim.geo.mla_block_rows)
         if through:
-            out = group.convert_logical_to_physical_topk(
-                o.get("layer_index", 0),
-                logical,
-                mla,
-                block_stride_rows=stride,
-                return_valid_counts=counts,
-            )
+            args = (o.get("layer_index", 0), logical, mla)
+            sizes = dict(block_stride_rows=stride, return_valid_counts=counts)
+            out = group.convert_logical_to_physical_topk(*args, **sizes)
         else:
             req_ids, table = mla.req_id_per_token[:rows], mla.block_table
             out = stock_convert(req_ids, table, logical, mla.block_size, stride, counts)
@@ -614,9 +549,8 @@ class Model:
 
 @breakable.eager_break_during_capture
 def index(model: Model, layer: int, fwd) -> None:
-    """The layer's indexer call (an eager break, as the indexer is), the
-    compute stream held back first: a conversion that does not wait for the
-    indexer's rows reads the poison."""
+    """The layer's indexer call, the compute stream held back first: a
+    conversion that does not wait for the indexer's rows reads the poison."""
     geo, x, rows, sim = model.sim.geo, model.inputs[layer], fwd.rows, model.sim
     k_prefix, tail_prefix, _ = geo.prefixes[layer]
     if model.hold and not torch.cuda.is_current_stream_capturing():
@@ -633,9 +567,9 @@ def index(model: Model, layer: int, fwd) -> None:
 
 @breakable.eager_break_during_capture
 def consume(model: Model, layer: int) -> None:
-    """The MLA attention's use of the layer's top-k: convert, then keep what
-    it read and got. An eager break: at piecewise replay it runs in the
-    step's own forward context."""
+    """The MLA attention's conversion of the layer's top-k, what it read and
+    got kept. An eager break: at piecewise replay it runs in the step's own
+    forward context."""
     metadata = get_forward_context().attn_metadata
     if not isinstance(metadata, dict):
         return  # a capture's profiling forward
@@ -670,11 +604,8 @@ def context(fwd, mode=CUDAGraphMode.NONE, metadata="step", dummy_run=False):
 def build_stage(
     model: Model, registry, *, max_rows=None, select=False, scores=False, warm=True
 ):
-    """``model``'s stage as ``install()`` builds it: a ``KpoolStage`` added
-    to ``registry`` (the model's ``SPECIALIZED_KPOOL``) by its top-k buffer,
-    then (``warm``) its kernels' warmup keys compiled as vLLM's JIT warmup
-    does, self-check off. ``select``, ``scores``: ``kpool_select``'s and
-    ``kpool_scores``' values."""
+    """``model``'s stage as ``install()`` builds it (self-check off), added to
+    ``registry`` by its top-k buffer; ``warm``: its warmup keys compiled."""
     geo = model.sim.geo
     options = dict(mx_scales=model.sim.backend.mx, next_n=geo.spec + 1, scores=scores)
     options |= dict(select=select is not False, select_one_wave=select == "one_wave")
@@ -691,23 +622,13 @@ def build_stage(
         assert stage.executors, "the stage's warmup compiled nothing"
 
 
-# --- Stage against stock ---------------------------------------------------------
-
-# What ``differences`` compares, in its order.
-FIELDS = ("index cache", "tail cache", "logical top-k", "physical top-k")
-FIELDS += ("counts", "pool ids")
-
-
 def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False):
-    """Device flags (no sync): per ``FIELDS``, whether ``stage`` left other
-    bytes than ``stock`` in ``layer``'s step of ``tokens`` tokens; then
-    whether it deferred, and whether no consumer read its logical rows
-    (fused). Compared whole: the caches; the logical buffer as the consumer
-    saw it (a deferring stage leaves it as it was but for the consumer's
-    rows a conversion materialized); the rows and counts the conversion
-    returned; the group's buffers past the rows converted and the stage's
-    pool buffer past the step's pool ids, left as they were. ``sets``: top-k
-    rows compare as sets."""
+    """Device flags (no sync), per ``FIELDS``: whether ``stage`` left other
+    bytes than ``stock``; then whether it deferred, and whether no consumer
+    read its logical rows (fused). A deferring stage leaves the logical
+    buffer as it was but for rows a conversion materialized; the group's
+    buffers past the rows converted, and the pool buffer past the step's
+    pool ids, stay as they were. ``sets``: top-k rows compare as sets."""
     a, b = stock.snaps[layer], stage.snaps[layer]
     pool = stage.stage.pool_buffer.view(-1) if stage.stage else b.flags[:0]
     deferred = b.flags[0] == 1
@@ -720,8 +641,7 @@ def differences(stock: Model, stage: Model, layer: int, tokens: int, sets=False)
             x, y = torch.sort(x, 1).values, torch.sort(y, 1).values
         return (x.view(torch.uint8) != y.view(torch.uint8)).any()
 
-    def strays(name: str):
-        """Bytes of either group's buffer past the rows converted."""
+    def strays(name: str):  # bytes of either group's buffer past its rows
         found = []
         for model, snap in ((stock, a), (stage, b)):
             buffer = getattr(model.groups[layer], name)
@@ -749,23 +669,19 @@ def flags(stock: Model, where, tokens: int, sets=False) -> list[list[int]]:
 
 
 def mismatches(stock: Model, stage: Model, tokens: int, sets=False) -> list[str]:
-    """The ``FIELDS`` that differ, per layer."""
     where = [(stage, i) for i in range(stage.sim.geo.layers)]
-    found = zip(where, flags(stock, where, tokens, sets), strict=True)
+    found = enumerate(flags(stock, where, tokens, sets))
     return [
         f"layer {i} {name}"
-        for (_, i), values in found
+        for i, values in found
         for name, differs in zip(FIELDS, values, strict=False)
         if differs
     ]
 
 
 def assert_same(stock: Model, stage: Model, fwd, sets=False) -> None:
-    """Every byte of the step alike (``differences``)."""
     assert not mismatches(stock, stage, fwd.tokens, sets)
 
-
-# --- The step driver -----------------------------------------------------------
 
 MODES = ("eager", "full", "piecewise")
 STAND_INS = (
@@ -781,15 +697,8 @@ REPORTS: list[str] = []  # every run's summary line, for the session's summary
 CPU_GEOMETRY = Geometry(
     layers=2, heads=4, topk=128, max_model_len=512, max_reqs=4, max_tokens=256
 )
-CPU_WORK = Workload(
-    decode_steps=5,
-    prompt=(120, 220),
-    output=(4, 40),
-    arrival=0.6,
-    nonuniform=0.5,
-    phase=1,
-    cached=(100, 200),
-)
+CPU_WORK = Workload(decode_steps=5, prompt=(120, 220), output=(4, 40), arrival=0.6)
+CPU_WORK = replace(CPU_WORK, nonuniform=0.5, phase=1, cached=(100, 200))
 # The opt-in scores' runs: GLM-5-Next's 16 heads as vLLM pads them to 32 for
 # DeepGEMM (the stage scores the 16), pages of 64 pools (256-token blocks;
 # DeepGEMM takes 32 or 64), MLA blocks laid further apart than their rows.
@@ -800,7 +709,6 @@ CPU_SCORES_GEOMETRY = replace(
 
 
 def scores_reach(cfg) -> bool:
-    """Whether the opt-in scores can run on ``cfg``'s backend and geometry."""
     geo = cfg.geo
     heads = scores_launch.served_heads(geo.index_heads or geo.heads)
     fits = heads is not None and heads <= geo.heads and geo.page in scores_launch.BLOCKS
@@ -874,10 +782,10 @@ class Report:
 
 class Run:
     """One configuration's models fed the same steps, compared after each:
-    ``stock`` (``SPECIALIZED_KPOOL = None``) and one or two stages. With two,
-    one leads each step and, per layer, between its indexer and conversion
-    the other's layer step runs and its pool buffer is poisoned: a stage that
-    read the other's buffer (or hand-off) differs from stock."""
+    ``stock`` and one or two stages. With two, one leads each step and, per
+    layer, between its indexer and conversion the other's layer step runs and
+    its pool buffer is poisoned: a stage that read the other's buffer (or
+    hand-off) differs from stock."""
 
     def __init__(self, cfg: Config, device, patch):
         if cfg.stages not in (1, 2) or (cfg.stages == 2 and cfg.mode != "eager"):
@@ -892,10 +800,8 @@ class Run:
         self.cfg, self.patch, self.device = cfg, patch, torch.device(device)
         cuda = self.device.type == "cuda"
         # CUDA, opted-in scores: stock's are DeepGEMM's (``deep_gemm_logits``).
-        scored, backend = cuda and cfg.scores, BACKENDS[cfg.backend]
-        self.sim = Sim(
-            cfg.geo, backend, device, cfg.seed, work=cfg.work, deep_gemm=scored
-        )
+        backend, work, scored = BACKENDS[cfg.backend], cfg.work, cuda and cfg.scores
+        self.sim = Sim(cfg.geo, backend, device, cfg.seed, work=work, deep_gemm=scored)
         names = ("stock", "stage", "stage 2")[: 1 + cfg.stages]
         self.sides = [Model(self.sim, name) for name in names]
         for side in self.sides:
@@ -907,8 +813,7 @@ class Run:
         self.stream = torch.cuda.Stream(self.device) if cuda else None
 
     def setup(self, stack: contextlib.ExitStack, watch: bool = True) -> None:
-        """The stand-ins, the run's stream, then each stage side's stage
-        (``watch``: its launches counted; not while timing)."""
+        """The stand-ins, the run's stream, each stage (``watch``: spied)."""
         mx_scales(self.patch, self.sim.backend.mx)
         topk = contract_decode_topk if self.cfg.select else None
         # CUDA: a deterministic top-k; the kernel-only shim has no vLLM one.
@@ -967,35 +872,29 @@ class Run:
         graph = self.graphs.get(key)
         if how == "eager" or not self.cfg.capture:
             side.run(fwd, mode)
-        elif how == "full" and graph is None:
-            side.run(fwd, mode)  # the step itself, which warms up
-            graph = self.graphs[key] = torch.cuda.CUDAGraph()
-            with (
-                side.active(),
-                override_forward_context(context(fwd, mode)),
-                torch.cuda.graph(graph, pool=self.pool, stream=self.stream),
-            ):
+            return
+        if graph is None:
+            if how == "full":
+                side.run(fwd, mode)  # the step itself, which warms up
+                graph = torch.cuda.CUDAGraph()
+                capture = torch.cuda.graph(graph, pool=self.pool, stream=self.stream)
+            else:  # as vLLM captures: a profiling forward, whose breaks write nothing
+                graph = capture = breakable.BreakableCUDAGraphCapture(pool=self.pool)
+            self.graphs[key] = graph
+            forward = context(fwd, mode, "step" if how == "full" else None)
+            with side.active(), override_forward_context(forward), capture:
                 side.forward(fwd)
-            self.stats["full_capture"] += stage
-        elif how == "full":
+            self.stats[f"{how}_capture"] += stage
+            if how == "full":
+                return
+        if how == "full":
             graph.replay()
-            self.stats["full_replay"] += stage
         else:
-            if graph is None:
-                # Captured as vLLM captures: a profiling forward (no
-                # metadata), whose eager breaks write nothing.
-                graph = breakable.BreakableCUDAGraphCapture(pool=self.pool)
-                self.graphs[key] = graph
-                profiling = override_forward_context(context(fwd, mode, None))
-                with side.active(), profiling, graph:
-                    side.forward(fwd)
-                self.stats["piecewise_capture"] += stage
             with side.active(), override_forward_context(context(fwd, mode)):
                 graph.replay()
-            self.stats["piecewise_replay"] += stage
+        self.stats[f"{how}_replay"] += stage
 
     def interleave(self, other: Model, fwd, layer: int) -> None:
-        """``other``'s step of ``layer``, then its pool buffer poisoned."""
         with other.active(), override_forward_context(context(fwd)):
             other.forward_layer(fwd, layer)
         other.stage.pool_buffer.fill_(POISON)
@@ -1008,15 +907,9 @@ class Run:
         fwd = sim.builder.build(batch, rows=rows, **options)
         sim.fill(rows)
         sim.timeline.clear()
-        for name, counted in (
-            ("total", 1),
-            (batch.kind, 1),
-            ("decode_steps", batch.num_decodes > 0),
-            (f"mode {how}", 1),
-            (f"layout {fwd.layout}", 1),
-            (f"next_n {batch.next_n}", batch.num_decodes > 0),
-        ):
-            s[name] += counted
+        decodes = int(batch.num_decodes > 0)
+        s.update({"total": 1, batch.kind: 1, "decode_steps": decodes, f"mode {how}": 1})
+        s.update({f"layout {fwd.layout}": 1, f"next_n {batch.next_n}": decodes})
         ends = (i.start + i.q_len for i in batch.items)
         report.max_context = max(report.max_context, *ends)
         with override_forward_context(context(fwd)):
@@ -1051,17 +944,14 @@ class Run:
                     )
 
 
-# --- One step of one layer, for the CPU routing tests ---------------------------
-
-
 @dataclass
 class Step:
     """A decode step: ``q_lens[b]`` tokens of request ``b`` after ``ctx[b]``,
     in ``layout`` rows ("native": uniform, "varlen": a row per token
     (SM100), "padded": ``[B, max q_len]`` rows (SM90 non-uniform), "flat"),
-    ``pad_rows`` CUDA graph padding rows after the tokens, a ``prefill`` of
-    that many tokens after the decodes; the layer's top-k, buffer width,
-    key row stride, scale format and MLA block stride."""
+    ``pad_rows`` CUDA graph padding rows, a ``prefill`` of that many tokens
+    after the decodes; the rest: the layer's ``Geometry`` (``width``: its
+    ``buffer_width``, ``stride_rows``: its ``mla_block_rows``)."""
 
     q_lens: list[int]
     ctx: list[int]
@@ -1083,17 +973,12 @@ class Step:
 
     def geometry(self) -> Geometry:
         longest = max(c + q for c, q in zip(self.ctx, self.q_lens, strict=True))
-        fields = ("topk", "key_stride", "scale_fmt", "first_layer", "block")
-        same = {name: getattr(self, name) for name in (*fields, "heads", "index_heads")}
-        return Geometry(
-            layers=1,
-            max_model_len=max(512, -(-longest // 64) * 64),
-            max_reqs=len(self.q_lens) + 2,
-            max_tokens=self.tokens + self.pad_rows + 4,
-            mla_block_rows=self.stride_rows,
-            buffer_width=self.width,
-            **same,
-        )
+        same = "topk key_stride scale_fmt first_layer block heads index_heads"
+        sizes = dict(layers=1, max_model_len=max(512, -(-longest // 64) * 64))
+        sizes |= dict(max_reqs=len(self.q_lens) + 2, mla_block_rows=self.stride_rows)
+        rows = self.tokens + self.pad_rows + 4
+        sizes |= dict(max_tokens=rows, buffer_width=self.width)
+        return Geometry(**sizes, **{name: getattr(self, name) for name in same.split()})
 
     def backend(self, mx: bool) -> Backend:
         other = "flat" if self.layout == "flat" else "padded"
@@ -1103,22 +988,14 @@ class Step:
 class Bench:
     """One step of one DSA layer (CPU), from the same caches and inputs each
     time: ``run`` on the engine (its stage built, warmed up and spied) or
-    another model, ``stock`` on a fresh model of ``stock_module``."""
+    another model, ``stock`` on a fresh model of ``stock_module``. ``model``:
+    ``build_stage``'s options, the rest the engine ``Model``'s."""
 
     def __init__(
-        self,
-        spies: Spies,
-        step: Step,
-        stock_module=None,
-        *,
-        mx=False,
-        registry=None,
-        max_rows=None,
-        select=False,
-        scores=False,
-        warm=True,
-        **model,
+        self, spies, step, stock_module=None, *, mx=False, registry=None, **model
     ):
+        names = ("max_rows", "select", "scores", "warm")
+        staged = {name: model.pop(name) for name in names if name in model}
         geo, backend = step.geometry(), step.backend(mx)
         self.sim = Sim(geo, backend, "cpu", step.seed, spies.timeline)
         self.spies, self.stock_module, self.model = spies, stock_module, model
@@ -1126,8 +1003,7 @@ class Bench:
         self.use(step)
         self.engine = Model(self.sim, "stage", **model)
         self.registry = install.StageRegistry() if registry is None else registry
-        options = dict(max_rows=max_rows, select=select, scores=scores, warm=warm)
-        build_stage(self.engine, self.registry, **options)
+        build_stage(self.engine, self.registry, **staged)
         self.stage = self.engine.stage
         spies.watch(self.stage)
 
@@ -1141,8 +1017,8 @@ class Bench:
         self.sim.fill(self.fwd.rows)
 
     def run(self, model=None, *, mode=CUDAGraphMode.NONE, dummy_run=False, **options):
-        """``model`` (the engine) run on the step; ``options``:
-        ``Model.options``. Fails on a hand-off left pending."""
+        """``model`` (the engine) run on the step with ``options``; fails on a
+        hand-off left pending."""
         model = model or self.engine
         for caches, initial in ((model.kv, self.sim.kv), (model.tail, self.sim.tail)):
             for cache, init in zip(caches, initial, strict=True):
@@ -1160,6 +1036,5 @@ class Bench:
 
     @property
     def routes(self) -> list[str]:
-        """The timeline's routes: launches, stock fallbacks, hand-overs."""
         starts = ("kernel:", "stock:", "indexer:", "defer", "materialize")
         return [e for e in self.spies.timeline if e.startswith(starts)]
