@@ -7,8 +7,8 @@ opt-ins' text calls past one wave is past one wave of the select's clusters
 (the patched vLLM's rule on the JSON's card) and every such size is named; a
 size slower than stock within one wave is reported; every row where the
 select alone is slower than stock within one wave is named as slower, and
-every size named as faster is faster, in the README and in the run issue
-57 read; the text names the card of its JSON, whatever it is. Pins and
+every size named as faster is faster, in the README and in the reviewed
+run; the text names the card of its JSON, whatever it is. Pins and
 commits the text quotes are checked where they can be."""
 
 from __future__ import annotations
